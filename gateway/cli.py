@@ -1,0 +1,143 @@
+"""The ``swarmserve`` command: tiny-model, dht, worker, gateway, up, status.
+
+Subcommands import their modules lazily so ``swarmserve --help`` stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+
+def _parse_blocks(value: str) -> tuple[int, int]:
+    try:
+        start, end = (int(x) for x in value.split(":"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--blocks expects START:END (e.g. 0:4), got {value!r}") from None
+    if not 0 <= start < end:
+        raise argparse.ArgumentTypeError(f"--blocks {value}: need 0 <= START < END")
+    return start, end
+
+
+def _add_dht(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("dht", help="run a bootstrap DHT node and print its multiaddr")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=0)
+    p.add_argument("--initial-peers", nargs="*", default=[])
+    p.set_defaults(func=_cmd_dht)
+
+
+def _add_worker(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("worker", help="serve a span of transformer blocks to the swarm")
+    p.add_argument("--model", required=True, help="local path or 🤗 id")
+    p.add_argument("--initial-peers", nargs="+", required=True, help="multiaddr(s) of DHT peers")
+    span = p.add_mutually_exclusive_group()
+    span.add_argument("--blocks", type=_parse_blocks, help="serve exactly blocks START:END")
+    span.add_argument("--num-blocks", type=int, help="serve N blocks where the swarm is weakest")
+    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--cache-tokens", type=int, default=16384, help="KV-cache budget in token slots")
+    p.add_argument("--session-ttl", type=float, default=300.0, help="keep a finished session's cache this long (s)")
+    p.add_argument("--idle-timeout", type=float, default=300.0, help="close a stream idle for this long (s)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=0)
+    p.add_argument("--dht-prefix", default=None, help="DHT namespace (default: the model's basename)")
+    p.add_argument("--update-period", type=float, default=5.0, help="seconds between DHT announcements")
+    p.add_argument("--throughput", type=float, default=None, help="announce this tok/s instead of measuring")
+    p.add_argument("--torch-threads", type=int, default=None)
+    p.add_argument("--public-name", default=None)
+    p.set_defaults(func=_cmd_worker)
+
+
+def _add_tiny_model(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("tiny-model", help="write a small random-weight model with a real tokenizer", add_help=False)
+    p.set_defaults(func=_cmd_tiny_model)
+
+
+def _cmd_tiny_model(args: argparse.Namespace, rest: list[str]) -> int:
+    from swarm_client.tiny_model import main as tiny_main
+
+    return tiny_main(rest)
+
+
+def _cmd_dht(args: argparse.Namespace, rest: list[str]) -> int:
+    import signal
+    import threading
+
+    from hivemind.dht import DHT
+
+    dht = DHT(initial_peers=args.initial_peers, host_maddrs=[f"/ip4/{args.host}/tcp/{args.port}"], start=True)
+    for maddr in dht.get_visible_maddrs():
+        print(f"initial_peers: {maddr}", flush=True)
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    stop.wait()
+    dht.shutdown()
+    return 0
+
+
+def _cmd_worker(args: argparse.Namespace, rest: list[str]) -> int:
+    import torch
+
+    from swarm_client.config import parse_initial_peers
+    from worker.server import WorkerConfig, run_worker
+
+    if args.torch_threads:
+        torch.set_num_threads(args.torch_threads)
+    cfg = WorkerConfig(
+        model=args.model,
+        initial_peers=parse_initial_peers(args.initial_peers),
+        blocks=args.blocks,
+        num_blocks=args.num_blocks,
+        device=args.device,
+        dtype=args.dtype,
+        cache_tokens=args.cache_tokens,
+        session_ttl=args.session_ttl,
+        idle_timeout=args.idle_timeout,
+        host=args.host,
+        port=args.port,
+        dht_prefix=args.dht_prefix,
+        update_period=args.update_period,
+        throughput=args.throughput,
+        public_name=args.public_name,
+    )
+    run_worker(cfg)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="swarmserve", description="OpenAI-compatible LLM serving over a swarm")
+    parser.add_argument("--log-level", default="INFO")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_tiny_model(sub)
+    _add_dht(sub)
+    _add_worker(sub)
+    try:
+        from gateway.cli_gateway import add_gateway_commands
+    except ImportError:  # pragma: no cover - only while the gateway package is being built
+        pass
+    else:
+        add_gateway_commands(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    if argv and argv[0] == "tiny-model":
+        args, rest = parser.parse_known_args(argv[:1]), argv[1:]
+        args = args[0]
+    else:
+        args, rest = parser.parse_args(argv), []
+    logging.basicConfig(
+        level=getattr(logging, str(args.log_level).upper(), logging.INFO),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    return int(args.func(args, rest) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

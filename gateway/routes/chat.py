@@ -1,0 +1,11 @@
+from fastapi import APIRouter, Request, Response
+
+from gateway.routes.deps import ChatBody, EngineDep
+from gateway.serving import create_chat_completion
+
+router = APIRouter(tags=["openai"])
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(body: ChatBody, engine: EngineDep, request: Request) -> Response:
+    return await create_chat_completion(engine, body, request)

@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Create .venv (if needed) and install swarmserve into it. Usage: scripts/setup.sh [EXTRAS]  (e.g. "test,smollm")
+set -euo pipefail
+cd "$(dirname "$0")/.."
+extras="${1:-}"
+if [ ! -x .venv/bin/python ]; then
+  python3 -m venv .venv
+fi
+# shellcheck disable=SC1091
+. .venv/bin/activate
+python -m pip install --quiet --upgrade pip
+# A CPU-only machine: take the CPU build of torch first so pip does not fetch a multi-GB CUDA build.
+if ! python -c "import torch" 2>/dev/null; then
+  if command -v nvidia-smi >/dev/null 2>&1; then
+    python -m pip install --quiet "torch>=2.3"
+  else
+    python -m pip install --quiet torch==2.13.0 || python -m pip install --quiet torch --index-url https://download.pytorch.org/whl/cpu
+  fi
+fi
+if [ -n "$extras" ]; then
+  python -m pip install --quiet -e ".[${extras}]"
+else
+  python -m pip install --quiet -e .
+fi

@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Install everything from nothing and run lint + the whole test suite (the README's test command).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+scripts/setup.sh test
+# shellcheck disable=SC1091
+. .venv/bin/activate
+redis_pid=""
+if [ -z "${REDIS_URL:-}" ] && command -v redis-server >/dev/null 2>&1; then
+  port=$(python -c "import socket; s=socket.socket(); s.bind(('127.0.0.1', 0)); print(s.getsockname()[1])")
+  redis-server --port "$port" --bind 127.0.0.1 --save "" --appendonly no --daemonize no >/dev/null &
+  redis_pid=$!
+  export REDIS_URL="redis://127.0.0.1:${port}/0"
+fi
+trap '[ -n "$redis_pid" ] && kill "$redis_pid" 2>/dev/null || true' EXIT
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+ruff check .
+python -m pytest "$@"

@@ -1,0 +1,38 @@
+"""swarm_client: run 🤗 causal LMs whose transformer blocks are served by a hivemind swarm."""
+
+from swarm_client.errors import (
+    CacheExhaustedError,
+    InvalidInputError,
+    LengthExceededError,
+    NoRouteError,
+    PeerError,
+    PeerTimeout,
+    RemoteError,
+    SessionLost,
+    SessionNotFoundError,
+    SwarmError,
+)
+
+__all__ = [
+    "AutoDistributedModelForCausalLM",
+    "CacheExhaustedError",
+    "DistributedModelForCausalLM",
+    "InvalidInputError",
+    "LengthExceededError",
+    "NoRouteError",
+    "PeerError",
+    "PeerTimeout",
+    "RemoteError",
+    "SessionLost",
+    "SessionNotFoundError",
+    "SwarmError",
+]
+
+
+def __getattr__(name: str):
+    # lazy: importing the model pulls in transformers and hivemind, which the wire-level modules don't need
+    if name in ("AutoDistributedModelForCausalLM", "DistributedModelForCausalLM"):
+        from swarm_client import model
+
+        return getattr(model, name)
+    raise AttributeError(name)

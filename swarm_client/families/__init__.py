@@ -1,0 +1,30 @@
+"""Model families: how to build blocks and the local head for each supported architecture."""
+
+from __future__ import annotations
+
+from transformers import PretrainedConfig
+
+from swarm_client.families.base import KV, CacheLayout, Family, Head
+from swarm_client.families.llama import LlamaFamily
+
+_FAMILIES: list[Family] = [LlamaFamily()]
+
+
+def register_family(family: Family) -> None:
+    _FAMILIES.append(family)
+
+
+def supported_model_types() -> list[str]:
+    return sorted(t for f in _FAMILIES for t in f.model_types)
+
+
+def get_family(config: PretrainedConfig) -> Family:
+    for family in _FAMILIES:
+        if config.model_type in family.model_types:
+            return family
+    raise ValueError(
+        f"model type {config.model_type!r} is not supported; supported: {', '.join(supported_model_types())}"
+    )
+
+
+__all__ = ["KV", "CacheLayout", "Family", "Head", "get_family", "register_family", "supported_model_types"]

@@ -1,0 +1,138 @@
+"""Llama-shaped decoder families: Llama 2/3.x, Mistral, Qwen2 (qkv bias) — RMSNorm, rotary, GQA, SwiGLU."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import AutoModelForCausalLM, PretrainedConfig
+
+from swarm_client.families.base import KV, CacheLayout, Head, causal_mask, load_module, write_kv
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class RotaryTable(nn.Module):
+    """cos/sin for absolute positions, from the model's own rotary class (so llama3/yarn scaling is exact)."""
+
+    def __init__(self, rotary: nn.Module):
+        super().__init__()
+        self.rotary = rotary
+
+    def forward(self, x: torch.Tensor, position: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        position_ids = torch.arange(position, position + length, device=x.device)[None]
+        cos, sin = self.rotary(x, position_ids)  # [1, T, D]
+        return cos[:, None], sin[:, None]  # [1, 1, T, D]
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position: int, scaling: float) -> torch.Tensor:
+    """q ``[B, Hq, T, D]``, k/v ``[B, Hkv, S, D]`` → ``[B, T, Hq * D]`` with causal masking from ``position``."""
+    num_new, total = q.shape[2], k.shape[2]
+    mask = causal_mask(position, num_new, total, q.device)
+    out = F.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, scale=scaling, enable_gqa=q.shape[1] != k.shape[1]
+    )
+    return out.transpose(1, 2).reshape(q.shape[0], num_new, -1)
+
+
+class LlamaBlock(nn.Module):
+    """One decoder layer; reuses the 🤗 layer's submodules and owns only the attention arithmetic."""
+
+    def __init__(self, layer: nn.Module, rotary: nn.Module):
+        super().__init__()
+        self.layer = layer
+        self.rotary = RotaryTable(rotary)
+        attn = layer.self_attn
+        self.head_dim = attn.head_dim
+        self.scaling = attn.scaling
+
+    def forward(self, hidden: torch.Tensor, position: int = 0, kv: KV | None = None) -> torch.Tensor:
+        batch, length, _ = hidden.shape
+        attn = self.layer.self_attn
+        x = self.layer.input_layernorm(hidden)
+        q = attn.q_proj(x).view(batch, length, -1, self.head_dim).transpose(1, 2)
+        k = attn.k_proj(x).view(batch, length, -1, self.head_dim).transpose(1, 2)
+        v = attn.v_proj(x).view(batch, length, -1, self.head_dim).transpose(1, 2)
+        cos, sin = self.rotary(x, position, length)
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        if kv is not None:
+            k, v = write_kv(kv, position, k, v)
+        out = attend(q, k, v, position, self.scaling)
+        hidden = hidden + attn.o_proj(out)
+        return hidden + self.layer.mlp(self.layer.post_attention_layernorm(hidden))
+
+
+class LlamaHead(Head):
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.embed_tokens = model.model.embed_tokens
+        self.norm = model.model.norm
+        self.lm_head = model.lm_head
+
+    def embed(self, input_ids: torch.LongTensor) -> torch.Tensor:
+        return self.embed_tokens(input_ids)
+
+    def final_norm(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.norm(hidden)
+
+    def final(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.norm(hidden))
+
+
+def headless_model(config: PretrainedConfig, tensors: dict[str, torch.Tensor]) -> nn.Module:
+    """The family's 🤗 CausalLM with zero layers, holding exactly ``tensors`` (tied LM head resolved)."""
+    config = copy.deepcopy(config)
+    config.num_hidden_layers = 0
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    tensors = dict(tensors)
+    state_keys = set(model.state_dict().keys())
+    tied = getattr(config, "tie_word_embeddings", False)
+    lm_key = "lm_head.weight"
+    if lm_key in state_keys and lm_key not in tensors:
+        if not tied:
+            raise ValueError("checkpoint has no lm_head.weight and tie_word_embeddings is False")
+        embed_key = next(k for k in tensors if k.endswith("embed_tokens.weight") or k.endswith("word_embeddings.weight"))
+        tensors[lm_key] = tensors[embed_key]
+    load_module(model, {k: v for k, v in tensors.items() if k in state_keys}, "model head")
+    model.eval()
+    return model
+
+
+class LlamaFamily:
+    name = "llama"
+    model_types = ("llama", "mistral", "qwen2")
+
+    def layer_prefix(self, index: int) -> str:
+        return f"model.layers.{index}."
+
+    def head_prefixes(self, config: PretrainedConfig) -> list[str]:
+        return ["model.embed_tokens.", "model.norm.", "lm_head."]
+
+    def cache_layout(self, config: PretrainedConfig) -> CacheLayout:
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        return CacheLayout(config.num_key_value_heads or config.num_attention_heads, head_dim)
+
+    def _decoder_layer_class(self, config: PretrainedConfig) -> type[nn.Module]:
+        import importlib
+
+        module = importlib.import_module(f"transformers.models.{config.model_type}.modeling_{config.model_type}")
+        prefix = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2"}[config.model_type]
+        return getattr(module, f"{prefix}DecoderLayer"), getattr(module, f"{prefix}RotaryEmbedding")
+
+    def build_block(self, config: PretrainedConfig, index: int, tensors: dict[str, torch.Tensor]) -> nn.Module:
+        layer_cls, rotary_cls = self._decoder_layer_class(config)
+        with torch.device("meta"):
+            layer = layer_cls(config, layer_idx=index)
+        load_module(layer, tensors, f"block {index}")
+        # the rotary table stays float32 whatever the weights' dtype, as in 🤗 (inv_freq is not a weight)
+        return LlamaBlock(layer, rotary_cls(config)).eval()
+
+    def build_head(self, config: PretrainedConfig, tensors: dict[str, torch.Tensor]) -> Head:
+        return LlamaHead(headless_model(config, tensors))

@@ -1,0 +1,135 @@
+"""Wire vocabulary shared by clients and block servers.
+
+Every RPC carries hivemind's ``ExpertRequest``/``ExpertResponse``: a list of serialized tensors plus a
+msgpack metadata dict. RPC names are fixed here (``BlockRPC``) so client stubs and server handlers agree
+whatever their Python class names are.
+
+Inference stream (``rpc_inference``), one bidirectional stream per server span:
+    client → {"open": {"session_id", "max_length", "batch_size", "resume", "start_position"?}}
+    server → {"position": p}                                  (p: tokens already cached, 0 for a new one)
+    client → tensors [hidden [B, T, H]], {"position": p}        (p: where these tokens start; p < current
+                                                                position rolls the cache back first)
+    server → tensors [hidden [B, T, H]], {"position": p + T}
+    any server message may instead be {"error": {"code", "message"}} — see ``swarm_client.errors``.
+Forward / backward (``rpc_forward`` / ``rpc_backward``) are stream → stream so large tensors are chunked.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import AsyncIterator  # noqa: UP035 - hivemind detects streams by typing.AsyncIterator only
+from typing import Any
+
+import torch
+from hivemind.compression.serialization import deserialize_torch_tensor, serialize_torch_tensor
+from hivemind.p2p import P2PContext, ServicerBase
+from hivemind.proto import runtime_pb2
+from hivemind.utils.serializer import MSGPackSerializer
+from hivemind.utils.streaming import split_for_streaming
+
+#: tensors above this many bytes are split into chunks inside streams
+STREAM_CHUNK_BYTES = 2**20
+#: the largest single inference-stream message the client sends; longer prefills are split into steps
+MAX_STEP_BYTES = 2**21
+
+COMPRESSIONS = {
+    "none": runtime_pb2.CompressionType.NONE,
+    "float16": runtime_pb2.CompressionType.FLOAT16,
+}
+
+
+def pack_metadata(metadata: dict[str, Any]) -> bytes:
+    return MSGPackSerializer.dumps(metadata)
+
+
+def unpack_metadata(raw: bytes) -> dict[str, Any]:
+    if not raw:
+        return {}
+    value = MSGPackSerializer.loads(raw)
+    if not isinstance(value, dict):
+        raise ValueError("metadata must be a msgpack map")
+    return value
+
+
+def serialize(tensor: torch.Tensor, compression: str = "none") -> runtime_pb2.Tensor:
+    return serialize_torch_tensor(tensor.detach().cpu(), COMPRESSIONS[compression])
+
+
+def deserialize(message: runtime_pb2.Tensor) -> torch.Tensor:
+    return deserialize_torch_tensor(message)
+
+
+def make_request(tensors: Sequence[torch.Tensor] = (), compression: str = "none", **metadata) -> runtime_pb2.ExpertRequest:
+    return runtime_pb2.ExpertRequest(
+        tensors=[serialize(t, compression) for t in tensors], metadata=pack_metadata(metadata)
+    )
+
+
+def make_response(tensors: Sequence[torch.Tensor] = (), compression: str = "none", **metadata) -> runtime_pb2.ExpertResponse:
+    return runtime_pb2.ExpertResponse(
+        tensors=[serialize(t, compression) for t in tensors], metadata=pack_metadata(metadata)
+    )
+
+
+def split_message(tensors: Sequence[torch.Tensor], metadata: dict, cls, compression: str = "none") -> Iterable:
+    """Yield ``cls`` messages carrying ``tensors`` in chunks; metadata rides on the first one."""
+    parts = [
+        part
+        for t in tensors
+        for part in split_for_streaming(serialize(t, compression), STREAM_CHUNK_BYTES)
+    ]
+    if not parts:
+        yield cls(metadata=pack_metadata(metadata))
+        return
+    for i, part in enumerate(parts):
+        yield cls(tensors=[part], metadata=pack_metadata(metadata) if i == 0 else b"")
+
+
+async def gather_message(stream: AsyncIterator) -> tuple[list[torch.Tensor], dict[str, Any]]:
+    """Inverse of ``split_message`` over a whole stream."""
+    from hivemind.utils.streaming import combine_from_streaming
+
+    metadata: dict[str, Any] | None = None
+    tensors: list[torch.Tensor] = []
+    parts: list[runtime_pb2.Tensor] = []
+    async for message in stream:
+        if metadata is None:
+            metadata = unpack_metadata(message.metadata)
+        for part in message.tensors:
+            if part.dtype and parts:
+                tensors.append(deserialize(combine_from_streaming(parts)))
+                parts = []
+            parts.append(part)
+    if parts:
+        tensors.append(deserialize(combine_from_streaming(parts)))
+    return tensors, metadata or {}
+
+
+class BlockRPC(ServicerBase):
+    """RPC surface of a block server; the worker subclasses it, clients use ``BlockRPC.get_stub``."""
+
+    @classmethod
+    def _get_handle_name(cls, namespace: str | None, method_name: str) -> str:
+        name = f"swarmserve.BlockRPC.{method_name}"
+        return f"{namespace}::{name}" if namespace is not None else name
+
+    async def rpc_info(self, request: runtime_pb2.ExpertUID, context: P2PContext) -> runtime_pb2.ExpertInfo:
+        raise NotImplementedError
+
+    async def rpc_inference(
+        self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
+    ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
+        raise NotImplementedError
+        yield  # pragma: no cover
+
+    async def rpc_forward(
+        self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
+    ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
+        raise NotImplementedError
+        yield  # pragma: no cover
+
+    async def rpc_backward(
+        self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
+    ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
+        raise NotImplementedError
+        yield  # pragma: no cover

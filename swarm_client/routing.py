@@ -1,0 +1,250 @@
+"""Route choice through the swarm: which servers run which blocks, and which servers to avoid for a while.
+
+Pure decision code, no I/O: callers pass in the spans they read from the DHT (``dht_records``), the RTTs
+they measured and the peers they banned. ``find_route`` is Dijkstra over block boundaries: node ``s``
+means "blocks ``[start, s)`` are done"; a server holding ``[a, b)`` offers an edge ``s -> e`` for every
+``a <= s < e <= b``, so a route may enter a span mid-way and leave it early, and one failed span can be
+replaced by several smaller ones.
+"""
+
+from __future__ import annotations
+
+import heapq
+import time
+from collections.abc import Collection, Iterable, Mapping
+from dataclasses import dataclass
+
+from swarm_client.dht_records import RemoteSpanInfo, ServerState
+from swarm_client.errors import NoRouteError
+
+__all__ = [
+    "CACHE_PENALTY",
+    "BanList",
+    "RouteHop",
+    "coverage",
+    "find_route",
+    "format_blocks",
+    "missing_blocks",
+]
+
+CACHE_PENALTY = 1000.0
+"""Seconds added to a hop whose server lacks the cache room the session needs: used only as a last resort."""
+
+_MIN_THROUGHPUT = 1e-6  # a server announcing 0 tokens/s is usable, but only when nothing else is
+_COST_DIGITS = 9  # costs equal to this many digits count as a tie (float sums of the same terms differ)
+
+# Dijkstra label: (cost rounded to _COST_DIGITS, hops, path), path = ((peer_id, hop_end), ...).
+_Label = tuple[float, int, tuple[tuple[str, int], ...]]
+
+
+@dataclass(frozen=True)
+class RouteHop:
+    """Run blocks ``[start, end)`` on ``peer_id``."""
+
+    peer_id: str
+    start: int
+    end: int
+
+    @property
+    def length(self) -> int:
+        return self.end - self.start
+
+
+def format_blocks(blocks: Iterable[int]) -> str:
+    """Compact, human-readable block list: ``"block 3"``, ``"blocks 3..5"``, ``"blocks 0, 3..5, 8..9"``."""
+    ordered = sorted(set(blocks))
+    if not ordered:
+        return "no blocks"
+    ranges: list[tuple[int, int]] = []
+    first = last = ordered[0]
+    for block in ordered[1:]:
+        if block == last + 1:
+            last = block
+            continue
+        ranges.append((first, last))
+        first = last = block
+    ranges.append((first, last))
+    parts = [str(a) if a == b else f"{a}..{b}" for a, b in ranges]
+    noun = "block" if len(ordered) == 1 else "blocks"
+    return f"{noun} {', '.join(parts)}"
+
+
+def coverage(spans: Mapping[str, RemoteSpanInfo], num_blocks: int) -> list[list[str]]:
+    """For each block in ``[0, num_blocks)``, the sorted peer ids of ONLINE servers holding it."""
+    per_block: list[list[str]] = [[] for _ in range(num_blocks)]
+    for peer_id, span in spans.items():
+        if span.state != ServerState.ONLINE:
+            continue
+        for block in range(max(span.start, 0), min(span.end, num_blocks)):
+            per_block[block].append(peer_id)
+    for peers in per_block:
+        peers.sort()
+    return per_block
+
+
+def missing_blocks(spans: Mapping[str, RemoteSpanInfo], num_blocks: int) -> list[int]:
+    """Blocks in ``[0, num_blocks)`` that no ONLINE server holds."""
+    return [block for block, peers in enumerate(coverage(spans, num_blocks)) if not peers]
+
+
+def find_route(
+    spans: Mapping[str, RemoteSpanInfo],
+    start: int,
+    end: int,
+    *,
+    rtt: Mapping[str, float] | None = None,
+    banned: Collection[str] = (),
+    default_rtt: float = 0.01,
+    cache_tokens_needed: int = 0,
+) -> list[RouteHop]:
+    """Cheapest chain of ONLINE, unbanned servers that runs blocks ``[start, end)`` in order.
+
+    A hop on ``peer`` over ``[s, e)`` costs ``rtt[peer] + (e - s) / throughput``, plus ``CACHE_PENALTY``
+    if the server's ``cache_tokens_left < cache_tokens_needed``. Among equally cheap routes the one with
+    fewer hops wins, then the one whose peer ids (and split points) sort first. An empty range gives ``[]``.
+
+    Raises ``NoRouteError`` naming the blocks no eligible server holds (in ``missing_blocks``).
+    """
+    if start < 0 or end < start:
+        raise ValueError(f"invalid block range [{start}, {end})")
+    if start == end:
+        return []
+    rtt = rtt or {}
+    banned_set = set(banned)
+    eligible = [
+        span
+        for peer_id, span in sorted(spans.items())
+        if span.state == ServerState.ONLINE
+        and peer_id not in banned_set
+        and max(span.start, start) < min(span.end, end)
+    ]
+
+    def hop_cost(span: RemoteSpanInfo, num_blocks: int) -> float:
+        info = span.server_info
+        compute = num_blocks / max(info.throughput, _MIN_THROUGHPUT)
+        cost = max(rtt.get(span.peer_id, default_rtt), 0.0) + compute
+        if info.cache_tokens_left < cache_tokens_needed:
+            cost += CACHE_PENALTY
+        return cost
+
+    # Labels never tie (the path identifies the route) and strictly grow along an edge (hops + 1), so
+    # popping them in order is exact Dijkstra with the tie-breaks built in.
+    best: dict[int, _Label] = {start: (0.0, 0, ())}
+    heap: list[tuple[_Label, float, int]] = [((0.0, 0, ()), 0.0, start)]
+    settled: set[int] = set()
+    while heap:
+        label, cost, node = heapq.heappop(heap)
+        if node in settled or label != best[node]:
+            continue
+        settled.add(node)
+        if node == end:
+            return _hops_from_path(label[2], start)
+        for span in eligible:
+            if not span.start <= node < span.end:
+                continue
+            for hop_end in range(node + 1, min(span.end, end) + 1):
+                if hop_end in settled:
+                    continue
+                new_cost = cost + hop_cost(span, hop_end - node)
+                new_path = (*label[2], (span.peer_id, hop_end))
+                new_label = (round(new_cost, _COST_DIGITS), label[1] + 1, new_path)
+                if hop_end not in best or new_label < best[hop_end]:
+                    best[hop_end] = new_label
+                    heapq.heappush(heap, (new_label, new_cost, hop_end))
+
+    raise _no_route_error(spans, start, end, eligible, banned_set)
+
+
+def _hops_from_path(path: tuple[tuple[str, int], ...], start: int) -> list[RouteHop]:
+    hops: list[RouteHop] = []
+    hop_start = start
+    for peer_id, hop_end in path:
+        hops.append(RouteHop(peer_id, hop_start, hop_end))
+        hop_start = hop_end
+    return hops
+
+
+def _no_route_error(
+    spans: Mapping[str, RemoteSpanInfo],
+    start: int,
+    end: int,
+    eligible: list[RemoteSpanInfo],
+    banned: set[str],
+) -> NoRouteError:
+    held = set()
+    for span in eligible:
+        held.update(range(max(span.start, start), min(span.end, end)))
+    missing = [block for block in range(start, end) if block not in held]
+    if not missing:  # unreachable with mid-span entry, kept so the error never lies
+        return NoRouteError(
+            f"no route through blocks [{start}, {end}) although every block is held by an eligible server",
+            missing_blocks=[],
+        )
+    missing_set = set(missing)
+    holders = [
+        span for span in spans.values() if missing_set.intersection(range(max(span.start, 0), span.end))
+    ]
+    num_banned = sum(1 for span in holders if span.peer_id in banned)
+    num_not_online = sum(
+        1 for span in holders if span.peer_id not in banned and span.state != ServerState.ONLINE
+    )
+    detail = ""
+    if num_banned or num_not_online:
+        detail = f" (servers that hold some of them but are excluded: {num_banned} banned, "
+        detail += f"{num_not_online} not ONLINE)"
+    return NoRouteError(
+        f"no route through blocks [{start}, {end}): no ONLINE, unbanned server holds "
+        f"{format_blocks(missing)}{detail}",
+        missing_blocks=missing,
+    )
+
+
+class BanList:
+    """Peers to avoid after a failure, with exponential backoff.
+
+    The n-th consecutive failure bans a peer for ``min(base * 2 ** (n - 1), max_ban)`` seconds.
+    ``report_success`` forgets the peer's failures; ``unban`` lifts the current ban but keeps the count,
+    so a peer that fails again right after is banned for longer. ``now`` defaults to ``time.monotonic()``.
+    """
+
+    def __init__(self, base: float = 1.0, max_ban: float = 60.0):
+        if base <= 0 or max_ban < base:
+            raise ValueError(f"need 0 < base <= max_ban, got base={base}, max_ban={max_ban}")
+        self.base = base
+        self.max_ban = max_ban
+        self._failures: dict[str, int] = {}
+        self._until: dict[str, float] = {}
+
+    @staticmethod
+    def _now(now: float | None) -> float:
+        return time.monotonic() if now is None else now
+
+    def ban(self, peer_id: str, now: float | None = None) -> float:
+        """Record a failure of ``peer_id`` and ban it; returns the ban duration in seconds."""
+        failures = self._failures.get(peer_id, 0) + 1
+        self._failures[peer_id] = failures
+        duration = min(self.base * 2.0 ** min(failures - 1, 64), self.max_ban)
+        self._until[peer_id] = self._now(now) + duration
+        return duration
+
+    def is_banned(self, peer_id: str, now: float | None = None) -> bool:
+        until = self._until.get(peer_id)
+        return until is not None and self._now(now) < until
+
+    def banned(self, now: float | None = None) -> set[str]:
+        """Peers banned at ``now``; pass this to ``find_route(banned=...)``."""
+        current = self._now(now)
+        return {peer_id for peer_id, until in self._until.items() if current < until}
+
+    def unban(self, peer_id: str) -> None:
+        """Lift the current ban of ``peer_id`` (its failure count, hence the next backoff, stays)."""
+        self._until.pop(peer_id, None)
+
+    def report_success(self, peer_id: str) -> None:
+        """``peer_id`` worked: lift its ban and reset its backoff to ``base``."""
+        self._until.pop(peer_id, None)
+        self._failures.pop(peer_id, None)
+
+    def failures(self, peer_id: str) -> int:
+        """Consecutive failures recorded for ``peer_id`` since its last success."""
+        return self._failures.get(peer_id, 0)

@@ -1,0 +1,129 @@
+"""Knows the swarm: reads server records from the DHT, measures RTTs, bans failing peers, picks routes."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+
+from hivemind.dht import DHT
+from hivemind.p2p import P2P, PeerID
+from hivemind.proto import runtime_pb2
+
+from swarm_client import protocol
+from swarm_client.dht_records import RemoteSpanInfo, ServerState, fetch_block_records, spans_from_records
+from swarm_client.errors import NoRouteError, PeerError, PeerTimeout
+from swarm_client.routing import BanList, RouteHop, find_route, missing_blocks
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ClientConfig:
+    initial_peers: list[str]
+    dht_prefix: str
+    num_blocks: int
+    #: how old the cached swarm view may get before routing re-reads the DHT
+    update_period: float = 5.0
+    #: a single inference step (one server) must answer within this
+    step_timeout: float = 30.0
+    #: forward/backward/info calls
+    request_timeout: float = 60.0
+    #: total time a step may spend failing over before SessionLost / NoRouteError
+    failover_deadline: float = 60.0
+    ping_timeout: float = 3.0
+    compression: str = "none"
+    ban_base: float = 1.0
+    ban_max: float = 60.0
+    extra: dict = field(default_factory=dict)
+
+
+class SequenceManager:
+    def __init__(self, config: ClientConfig, dht: DHT | None = None):
+        self.config = config
+        self.dht = dht or DHT(initial_peers=config.initial_peers, client_mode=True, start=True)
+        self._owns_dht = dht is None
+        self.bans = BanList(base=config.ban_base, max_ban=config.ban_max)
+        self.spans: dict[str, RemoteSpanInfo] = {}
+        self.rtt: dict[str, float] = {}
+        self._last_update = 0.0
+        self._p2p: P2P | None = None
+        self._update_lock: asyncio.Lock | None = None
+
+    # ------------------------------------------------------------------ transport
+    async def p2p(self) -> P2P:
+        if self._p2p is None:
+            self._p2p = await self.dht.replicate_p2p()
+        return self._p2p
+
+    async def stub(self, peer_id: str):
+        return protocol.BlockRPC.get_stub(await self.p2p(), PeerID.from_base58(peer_id))
+
+    async def info(self, peer_id: str, timeout: float | None = None) -> dict:
+        stub = await self.stub(peer_id)
+        try:
+            response = await stub.rpc_info(runtime_pb2.ExpertUID(uid=""), timeout=timeout or self.config.request_timeout)
+        except asyncio.TimeoutError as e:
+            raise PeerTimeout(f"peer {peer_id} did not answer info within {timeout}s") from e
+        except Exception as e:
+            raise PeerError(f"peer {peer_id} info failed: {e}") from e
+        return protocol.unpack_metadata(response.serialized_info)
+
+    # ------------------------------------------------------------------ swarm view
+    async def update(self, force: bool = False) -> dict[str, RemoteSpanInfo]:
+        if self._update_lock is None:
+            self._update_lock = asyncio.Lock()
+        async with self._update_lock:
+            if not force and time.monotonic() - self._last_update < self.config.update_period and self.spans:
+                return self.spans
+            records = await asyncio.to_thread(
+                fetch_block_records, self.dht, self.config.dht_prefix, self.config.num_blocks
+            )
+            spans = spans_from_records(records)
+            new_peers = [p for p, s in spans.items() if s.state == ServerState.ONLINE and p not in self.rtt]
+            if new_peers:
+                await asyncio.gather(*(self._ping(p) for p in new_peers))
+            self.spans = spans
+            self._last_update = time.monotonic()
+            return spans
+
+    async def _ping(self, peer_id: str) -> None:
+        t0 = time.perf_counter()
+        try:
+            await self.info(peer_id, timeout=self.config.ping_timeout)
+        except PeerError as e:
+            logger.info("peer %s unreachable (%s); banning it for now", peer_id, e)
+            self.bans.ban(peer_id)
+            return
+        self.rtt[peer_id] = time.perf_counter() - t0
+
+    async def make_route(self, start: int, end: int, cache_tokens_needed: int = 0) -> list[RouteHop]:
+        """A route over ``[start, end)``; re-reads the DHT once before giving up with NoRouteError."""
+        for attempt in range(2):
+            spans = await self.update(force=attempt > 0)
+            try:
+                return find_route(
+                    spans,
+                    start,
+                    end,
+                    rtt=self.rtt,
+                    banned=self.bans.banned(),
+                    cache_tokens_needed=cache_tokens_needed,
+                )
+            except NoRouteError:
+                if attempt == 1:
+                    raise
+        raise AssertionError("unreachable")
+
+    def ban(self, peer_id: str, reason: str) -> None:
+        seconds = self.bans.ban(peer_id)
+        self.rtt.pop(peer_id, None)
+        logger.warning("banning peer %s for %.1fs: %s", peer_id, seconds, reason)
+
+    def missing_blocks(self) -> list[int]:
+        return missing_blocks(self.spans, self.config.num_blocks)
+
+    def shutdown(self) -> None:
+        if self._owns_dht:
+            self.dht.shutdown()

@@ -1,0 +1,363 @@
+"""An inference session across a chain of servers, with failover.
+
+Each hop of the route gets one bidirectional stream (``_ServerSession``) whose KV cache lives on that
+server. The client keeps, per hop, every hidden state it has sent (``history``), so when a server dies
+the same span is re-routed (possibly over several servers), the history is replayed *at position 0 of
+the new sessions*, and the step continues at the right position — the bug that breaks Petals' failover.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+import torch
+
+from swarm_client import protocol, runtime
+from swarm_client.errors import (
+    CacheExhaustedError,
+    InvalidInputError,
+    LengthExceededError,
+    NoRouteError,
+    PeerError,
+    PeerTimeout,
+    RemoteError,
+    SessionLost,
+    SessionNotFoundError,
+    SwarmError,
+    error_from_wire,
+)
+from swarm_client.routing import RouteHop
+from swarm_client.sequence_manager import SequenceManager
+
+logger = logging.getLogger(__name__)
+
+#: errors that are the caller's fault: never retried on another server
+CALLER_ERRORS = (InvalidInputError, LengthExceededError)
+
+
+class _ServerSession:
+    """One server's stream: open, step at explicit positions, close (optionally keeping the cache)."""
+
+    def __init__(self, manager: SequenceManager, hop: RouteHop, session_id: str):
+        self.manager = manager
+        self.hop = hop
+        self.session_id = session_id
+        self.position = 0
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self._responses: AsyncIterator | None = None
+        self.closed = False
+
+    async def _requests(self):
+        while True:
+            item = await self._queue.get()
+            if item is None:
+                return
+            yield item
+
+    async def _exchange(self, request, timeout: float) -> tuple[list[torch.Tensor], dict]:
+        self._queue.put_nowait(request)
+        try:
+            response = await asyncio.wait_for(anext(self._responses), timeout)
+        except asyncio.TimeoutError as e:
+            raise PeerTimeout(f"server {self.hop.peer_id} did not answer within {timeout:.1f}s", self.hop.peer_id) from e
+        except StopAsyncIteration as e:
+            raise PeerError(f"server {self.hop.peer_id} closed the stream", self.hop.peer_id) from e
+        except SwarmError:
+            raise
+        except Exception as e:
+            raise PeerError(f"server {self.hop.peer_id} stream failed: {e}", self.hop.peer_id) from e
+        metadata = protocol.unpack_metadata(response.metadata)
+        if "error" in metadata:
+            raise error_from_wire(metadata["error"], peer_id=self.hop.peer_id)
+        return [protocol.deserialize(t) for t in response.tensors], metadata
+
+    async def open(self, max_length: int, batch_size: int, resume: bool, timeout: float) -> int:
+        stub = await self.manager.stub(self.hop.peer_id)
+        try:
+            self._responses = await asyncio.wait_for(stub.rpc_inference(self._requests()), timeout)
+        except Exception as e:
+            raise PeerError(f"could not open a stream to {self.hop.peer_id}: {e}", self.hop.peer_id) from e
+        spec = {"session_id": self.session_id, "max_length": max_length, "batch_size": batch_size, "resume": resume}
+        _, metadata = await self._exchange(protocol.make_request(open=spec), timeout)
+        self.position = int(metadata.get("position", 0))
+        return self.position
+
+    async def step(
+        self, hidden: torch.Tensor, position: int, timeout: float, output_hidden_states: bool = False
+    ) -> torch.Tensor:
+        request = protocol.make_request(
+            [hidden],
+            compression=self.manager.config.compression,
+            position=position,
+            output_hidden_states=output_hidden_states,
+            compression_out=self.manager.config.compression,
+        )
+        tensors, metadata = await self._exchange(request, timeout)
+        expected = (self.hop.end - self.hop.start, *hidden.shape) if output_hidden_states else tuple(hidden.shape)
+        if len(tensors) != 1 or tuple(tensors[0].shape) != expected:
+            got = [tuple(t.shape) for t in tensors]
+            raise PeerError(f"server {self.hop.peer_id} returned shapes {got}, expected {expected}", self.hop.peer_id)
+        out = tensors[0]
+        if not torch.isfinite(out).all():
+            raise PeerError(f"server {self.hop.peer_id} returned non-finite activations", self.hop.peer_id)
+        self.position = int(metadata.get("position", position + hidden.shape[1]))
+        return out
+
+    async def close(self, keep: bool = False) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        if self._responses is not None:
+            try:
+                self._queue.put_nowait(protocol.make_request(close={"keep": keep}))
+            except Exception:
+                pass
+        self._queue.put_nowait(None)
+        if self._responses is not None:
+            try:
+                await asyncio.wait_for(self._responses.aclose(), 1.0)
+            except Exception:
+                pass
+
+
+class HistoryBuffer:
+    """The hidden states sent to one hop, ``[B, length, H]``, appended in chunks (no quadratic copying)."""
+
+    def __init__(self) -> None:
+        self.chunks: list[torch.Tensor] = []
+        self.length = 0
+
+    def write(self, position: int, x: torch.Tensor) -> None:
+        self.truncate(position)
+        if position != self.length:
+            raise SessionLost(f"history gap: writing at {position} but {self.length} tokens are recorded")
+        self.chunks.append(x)
+        self.length += x.shape[1]
+
+    def truncate(self, position: int) -> None:
+        if position >= self.length:
+            return
+        kept, total = [], 0
+        for chunk in self.chunks:
+            if total + chunk.shape[1] <= position:
+                kept.append(chunk)
+                total += chunk.shape[1]
+            else:
+                if position > total:
+                    kept.append(chunk[:, : position - total])
+                total = position
+                break
+        self.chunks, self.length = kept, position
+
+    def read(self, position: int) -> torch.Tensor | None:
+        if position == 0 or not self.chunks:
+            return None
+        return torch.cat(self.chunks, dim=1)[:, :position]
+
+
+class InferenceSession:
+    """KV-cached, position-tracked generation over blocks ``[start, end)``; async core, sync wrappers.
+
+    ``step(hidden, position=None)`` feeds ``hidden`` ``[B, T, H]`` at ``position`` (default: the end) and
+    returns the span's output. Passing a smaller position rolls the servers' caches back first.
+    """
+
+    def __init__(
+        self,
+        manager: SequenceManager,
+        start: int,
+        end: int,
+        max_length: int,
+        batch_size: int = 1,
+        session_id: str | None = None,
+        keep_on_close: bool = False,
+    ):
+        self.manager = manager
+        self.start, self.end = start, end
+        self.max_length = max_length
+        self.batch_size = batch_size
+        self.session_id = session_id or uuid.uuid4().hex
+        self.keep_on_close = keep_on_close
+        self.position = 0
+        self.closed = False
+        self._hops: list[_ServerSession] = []
+        self._history: list[HistoryBuffer] = []  # per hop: the inputs sent so far
+        self._sub_ids = 0
+        self.failovers = 0
+        #: optional token ids fed so far, maintained by the model (not by the session)
+        self.token_ids: list[int] = []
+
+    # ------------------------------------------------------------------ context managers
+    def __enter__(self) -> InferenceSession:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    async def __aenter__(self) -> InferenceSession:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.aclose()
+
+    # ------------------------------------------------------------------ public API
+    def step(self, hidden: torch.Tensor, position: int | None = None, output_hidden_states: bool = False) -> torch.Tensor:
+        return runtime.run(self.astep(hidden, position, output_hidden_states))
+
+    def close(self) -> None:
+        if not self.closed:
+            runtime.run(self.aclose())
+
+    def rollback(self, position: int) -> None:
+        """Forget tokens after ``position``; the next step overwrites the servers' caches from there."""
+        if not 0 <= position <= self.position:
+            raise ValueError(f"cannot roll back to {position}; session holds {self.position} tokens")
+        self.position = position
+        for history in self._history:
+            history.truncate(position)
+        del self.token_ids[position:]
+
+    async def aclose(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        await asyncio.gather(*(hop.close(keep=self.keep_on_close) for hop in self._hops), return_exceptions=True)
+
+    async def astep(
+        self, hidden: torch.Tensor, position: int | None = None, output_hidden_states: bool = False
+    ) -> torch.Tensor:
+        if self.closed:
+            raise SessionLost("the inference session is closed")
+        if hidden.ndim != 3 or hidden.shape[0] != self.batch_size:
+            raise InvalidInputError(f"expected hidden states [batch={self.batch_size}, tokens, hidden], got {tuple(hidden.shape)}")
+        position = self.position if position is None else position
+        if position != self.position:
+            self.rollback(position)
+        length = hidden.shape[1]
+        if position + length > self.max_length:
+            raise LengthExceededError(
+                f"{position} cached + {length} new tokens exceed the session's max_length {self.max_length}"
+            )
+        if not self._hops:
+            await self._build_chain(0, self.start, self.end)
+        chunk = max(1, protocol.MAX_STEP_BYTES // max(1, hidden[0, 0].numel() * hidden.element_size() * self.batch_size))
+        outputs = []
+        for offset in range(0, length, chunk):
+            piece = hidden[:, offset : offset + chunk]
+            outputs.append(await self._step_chain(piece, position + offset, output_hidden_states))
+        self.position = position + length
+        dim = 2 if output_hidden_states else 1
+        return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=dim)
+
+    # ------------------------------------------------------------------ internals
+    def _new_sub_id(self) -> str:
+        self._sub_ids += 1
+        return f"{self.session_id}" if self._sub_ids == 1 else f"{self.session_id}.{self._sub_ids}"
+
+    async def _open_hops(self, hops: list[RouteHop]) -> list[_ServerSession]:
+        opened: list[_ServerSession] = []
+        timeout = self.manager.config.step_timeout
+        try:
+            for hop in hops:
+                session = _ServerSession(self.manager, hop, f"{self.session_id}:{hop.start}:{hop.end}:{uuid.uuid4().hex[:8]}")
+                opened.append(session)
+                await session.open(self.max_length, self.batch_size, resume=False, timeout=timeout)
+        except BaseException:
+            await asyncio.gather(*(s.close() for s in opened), return_exceptions=True)
+            raise
+        return opened
+
+    async def _build_chain(self, index: int, start: int, end: int) -> None:
+        hops = await self.manager.make_route(start, end, cache_tokens_needed=self.max_length * self.batch_size)
+        sessions = await self._open_hops(hops)
+        self._hops[index:index] = sessions
+        self._history[index:index] = [HistoryBuffer() for _ in sessions]
+
+    async def _step_chain(self, hidden: torch.Tensor, position: int, output_hidden_states: bool) -> torch.Tensor:
+        deadline = time.monotonic() + self.manager.config.failover_deadline
+        x = hidden
+        states: list[torch.Tensor] = []
+        index = 0
+        while index < len(self._hops):
+            hop = self._hops[index]
+            try:
+                out = await hop.step(x, position, self.manager.config.step_timeout, output_hidden_states)
+            except CALLER_ERRORS:
+                raise
+            except (PeerError, RemoteError) as e:
+                if isinstance(e, SessionNotFoundError | CacheExhaustedError | PeerError) or type(e) is RemoteError:
+                    await self._replace_hop(index, position, e, deadline)
+                    continue  # retry this index with the replacement hop(s)
+                raise
+            self.manager.bans.report_success(hop.hop.peer_id)
+            self._history[index].write(position, x)
+            if output_hidden_states:
+                states.append(out)
+                x = out[-1]
+            else:
+                x = out
+            index += 1
+        return torch.cat(states, 0) if output_hidden_states else x
+
+    async def _replace_hop(self, index: int, position: int, error: Exception, deadline: float) -> None:
+        """Ban the failed server, route its span anew, replay the span's history into the replacement."""
+        failed = self._hops[index]
+        replay_input = self._history[index].read(position)
+        self.manager.ban(failed.hop.peer_id, str(error))
+        await failed.close()
+        del self._hops[index]
+        del self._history[index]
+        config = self.manager.config
+        while True:
+            if time.monotonic() > deadline:
+                raise SessionLost(
+                    f"could not replace server {failed.hop.peer_id} for blocks {failed.hop.start}:{failed.hop.end} "
+                    f"within {config.failover_deadline:.0f}s (last error: {error})"
+                )
+            sessions: list[_ServerSession] = []
+            try:
+                hops = await self.manager.make_route(
+                    failed.hop.start, failed.hop.end, cache_tokens_needed=self.max_length * self.batch_size
+                )
+                sessions = await self._open_hops(hops)
+                histories: list[HistoryBuffer] = []
+                replay = replay_input
+                for session in sessions:
+                    history = HistoryBuffer()
+                    if replay is not None:
+                        history.write(0, replay)
+                        replay = await session.step(replay, 0, config.step_timeout)
+                    histories.append(history)
+                break
+            except CALLER_ERRORS:
+                raise
+            except NoRouteError as e:
+                error = e
+                if time.monotonic() + 0.5 > deadline:
+                    raise
+                await asyncio.sleep(0.5)
+            except (PeerError, RemoteError) as e:
+                error = e
+                await asyncio.gather(*(s.close() for s in sessions), return_exceptions=True)
+                if getattr(e, "peer_id", None):
+                    self.manager.ban(e.peer_id, str(e))
+                await asyncio.sleep(0.1)
+        self.failovers += 1
+        logger.info(
+            "replaced server %s (blocks %d:%d) by %s, replayed %d tokens",
+            failed.hop.peer_id,
+            failed.hop.start,
+            failed.hop.end,
+            [s.hop.peer_id for s in sessions],
+            position,
+        )
+        self._hops[index:index] = sessions
+        self._history[index:index] = histories
+
+    @property
+    def route(self) -> list[RouteHop]:
+        return [h.hop for h in self._hops]

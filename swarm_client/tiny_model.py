@@ -1,0 +1,368 @@
+"""Write a small random-weight model with a real tokenizer, for tests and demos that must run offline.
+
+The model is a genuine 🤗 checkpoint (``config.json``, ``model.safetensors``, ``generation_config.json``)
+of one of the families swarmserve serves, so every code path (rotary scaling, GQA, MoE, ALiBi, biases,
+tied or untied heads) can be checked against ``AutoModelForCausalLM.from_pretrained(OUT)`` without the
+Hub. The tokenizer is a byte-level BPE trained here on a few built-in paragraphs: it round-trips any
+unicode text and carries a ChatML chat template, so the gateway's chat path works end to end.
+
+Everything is deterministic: the same ``seed`` gives byte-identical ``model.safetensors``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+FAMILIES: tuple[str, ...] = ("llama", "mistral", "qwen2", "mixtral", "falcon", "bloom")
+
+ENDOFTEXT = "<|endoftext|>"
+IM_START = "<|im_start|>"
+IM_END = "<|im_end|>"
+SPECIAL_TOKENS: tuple[str, ...] = (ENDOFTEXT, IM_START, IM_END)
+
+#: Std of the random init. Larger than the usual 0.02 so a random model's logits are spread out and greedy
+#: decoding does not collapse to one repeated token.
+INIT_STD = 0.2
+TOKENIZER_VOCAB_SIZE = 1536
+MAX_POSITIONS = 2048
+
+# ChatML. ``developer`` is OpenAI's newer name for ``system``; list-of-parts content (OpenAI "content
+# parts") is joined from its text parts; ``None`` content (an assistant turn with only tool calls)
+# renders empty.
+CHAT_TEMPLATE = (
+    "{%- for message in messages -%}"
+    "{%- set role = 'system' if message['role'] == 'developer' else message['role'] -%}"
+    "{%- if message['content'] is string -%}{%- set content = message['content'] -%}"
+    "{%- elif message['content'] is none -%}{%- set content = '' -%}"
+    "{%- else -%}{%- set content = message['content'] | selectattr('type', 'equalto', 'text')"
+    " | map(attribute='text') | join('') -%}"
+    "{%- endif -%}"
+    "{{- '<|im_start|>' + role + '\\n' + content + '<|im_end|>\\n' -}}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
+)
+
+# Training text for the tokenizer: plain English prose, a dialogue, some code-ish and numeric lines, so common
+# words and chat fragments become single tokens. Anything else still encodes, byte by byte.
+CORPUS = """\
+The swarm is a group of ordinary computers that work together to run a language model that none of
+them could hold alone. Each server keeps a few consecutive blocks of the model in memory. A client
+sends the hidden states of its tokens through a chain of servers, one span of blocks after another,
+and reads the next token from the final layer. When a server leaves, the client finds another server
+that holds the same blocks and continues where it stopped, so the answer is the same as if nothing
+had happened.
+
+Hello! How are you today? I am fine, thank you. What would you like to talk about? Let us talk about
+the weather, the news, books, music, cooking, travel, science and history. Please tell me a short
+story about a small robot who wanted to learn how to paint. Once upon a time there was a little
+robot named Pip. Every morning Pip watched the sun rise over the hills and wished it could paint the
+colors of the sky: red, orange, yellow, green, blue and violet. One day an old painter gave Pip a
+brush and said, "Paint what you see, not what you think you see."
+
+You are a helpful assistant. The user asks a question and the assistant answers it clearly and
+politely. If the assistant does not know the answer, it says so. Answers should be short, correct
+and kind. The system message sets the rules; the developer message adds instructions; the user
+message is the request.
+
+Question: What is the capital of France? Answer: The capital of France is Paris.
+Question: How many days are there in a week? Answer: There are seven days in a week.
+Question: What is 2 + 2? Answer: 2 + 2 = 4. And 12 * 12 = 144, 100 / 4 = 25, 3.14159 is close to pi.
+Numbers: 0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 32 64 128 256 512 1024 2048 2024 2025 1999 2000.
+
+def generate(prompt, max_tokens=16, temperature=0.7):
+    tokens = tokenizer.encode(prompt)
+    for step in range(max_tokens):
+        logits = model(tokens)[-1]
+        tokens.append(sample(logits, temperature))
+    return tokenizer.decode(tokens)
+
+{"model": "tiny", "messages": [{"role": "user", "content": "Say hello"}], "stream": true}
+
+Water boils at one hundred degrees Celsius at sea level. The earth goes around the sun once a year,
+and the moon goes around the earth about once a month. Plants need light, water and air to grow.
+People have written stories, poems and songs for thousands of years, and they still do: in the
+morning, in the evening, at home and at work. Good morning, good afternoon, good evening and good
+night. Thanks, please, sorry, yes, no, maybe, of course.
+
+A recipe for bread: mix flour, water, salt and yeast in a large bowl. Knead the dough for ten
+minutes until it is smooth, then leave it somewhere warm for an hour so it can rise. Shape the loaf,
+bake it in a hot oven for about forty minutes, and let it cool before cutting. Fresh bread smells
+wonderful, and it tastes even better with butter.
+
+Travel notes. We took the early train along the coast, past fishing villages, lighthouses and long
+sandy beaches. In the afternoon it started raining, so we visited a small museum about ships, maps
+and famous explorers. The next day the weather cleared; we walked through the old market, bought
+cheese, apples and honey, and watched the boats return to the harbour while the evening light turned
+golden over the water.
+
+Science is a way of asking questions about the world and testing the answers. A good experiment
+changes one thing at a time and measures what happens. Computers follow instructions called
+programs; a program reads input, computes something, and writes output. Memory, storage, networks,
+servers and clients are parts of every modern system. When many machines cooperate, they must agree
+on messages, handle failures, and recover gracefully.
+
+Why do cats sleep so much? Where should we go next summer? Which book would you recommend for a long
+journey? Could you explain that again, more slowly? Sure! First, open the settings. Second, choose
+your language. Third, press the green button. If anything goes wrong, restart the program and try
+once more. Is everything clear now? Yes, thank you very much. You're welcome; I'm glad I could help.
+Don't hesitate to ask if you'd like more help.
+"""
+
+
+# transformers 5.x forces ``Qwen2Tokenizer`` on every ``model_type == "qwen2"`` checkpoint, whatever
+# ``tokenizer_config.json`` says, and that class rebuilds the pipeline: NFC normalizer + this split
+# regex. The qwen2 tiny model is trained with the same pipeline, so what we build is what
+# ``AutoTokenizer`` loads back.
+QWEN2_PRETOKENIZE_REGEX = (
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
+    r"""|\s*[\r\n]+|\s+(?!\S)|\s+"""
+)
+
+
+def build_tokenizer(family: str = "llama") -> Any:
+    """A byte-level BPE trained on ``CORPUS``, as a ``PreTrainedTokenizerFast`` with a ChatML template.
+
+    GPT-2 style byte-level pre-tokenization and no normalizer, so any text (even non-NFC unicode)
+    round-trips exactly; for ``qwen2`` the Qwen2 pipeline (NFC first) transformers imposes on that type.
+    """
+    from tokenizers import (
+        Regex,
+        Tokenizer,
+        decoders,
+        models,
+        normalizers,
+        pre_tokenizers,
+        processors,
+        trainers,
+    )
+    from transformers import PreTrainedTokenizerFast
+
+    backend = Tokenizer(models.BPE())
+    if family == "qwen2":
+        backend.normalizer = normalizers.NFC()
+        backend.pre_tokenizer = pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Split(Regex(QWEN2_PRETOKENIZE_REGEX), behavior="isolated", invert=False),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ]
+        )
+    else:
+        backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+        backend.post_processor = processors.ByteLevel(trim_offsets=False)
+    backend.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=TOKENIZER_VOCAB_SIZE,
+        min_frequency=1,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    # Repeat the corpus so frequent words win merges; the trainer is deterministic for a fixed input.
+    backend.train_from_iterator(CORPUS.splitlines(keepends=True) * 4, trainer=trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        bos_token=None,
+        eos_token=IM_END,
+        pad_token=ENDOFTEXT,
+        unk_token=None,
+        additional_special_tokens=[IM_START],
+        chat_template=CHAT_TEMPLATE,
+        model_max_length=MAX_POSITIONS,
+        clean_up_tokenization_spaces=False,
+        add_prefix_space=False,
+    )
+
+
+def _common(vocab_size: int, hidden: int, layers: int, eos: list[int], pad: int) -> dict[str, Any]:
+    return {
+        "vocab_size": vocab_size,
+        "hidden_size": hidden,
+        "num_hidden_layers": layers,
+        "max_position_embeddings": MAX_POSITIONS,
+        "initializer_range": INIT_STD,
+        "bos_token_id": None,
+        "eos_token_id": eos,
+        "pad_token_id": pad,
+        "dtype": "float32",
+    }
+
+
+def _llama_like(model_type: str, common: dict[str, Any], hidden: int) -> dict[str, Any]:
+    return {
+        **common,
+        "model_type": model_type,
+        "intermediate_size": 2 * hidden,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "hidden_act": "silu",
+        "rms_norm_eps": 1e-5,
+    }
+
+
+def family_config(
+    family: str, vocab_size: int, hidden_size: int, num_layers: int, eos: list[int], pad: int
+) -> Any:
+    """The ``PretrainedConfig`` of a tiny ``family`` model (field names as transformers 5.x spells them)."""
+    from transformers import AutoConfig
+
+    if family not in FAMILIES:
+        raise ValueError(f"unknown family {family!r}; choose one of {', '.join(FAMILIES)}")
+    if hidden_size % 8 or hidden_size <= 0:
+        # 4 heads with an even head_dim (rotary embeddings rotate pairs of channels)
+        raise ValueError(f"hidden size must be a positive multiple of 8, got {hidden_size}")
+    if num_layers <= 0:
+        raise ValueError(f"need at least one layer, got {num_layers}")
+    common = _common(vocab_size, hidden_size, num_layers, eos, pad)
+    builders: dict[str, Callable[[], dict[str, Any]]] = {
+        # Llama 3.1 style: GQA, theta 5e5 and "llama3" frequency scaling (at head_dim 16 the low, smoothed
+        # and high frequency bands are all hit), untied LM head.
+        "llama": lambda: {
+            **_llama_like("llama", common, hidden_size),
+            "tie_word_embeddings": False,
+            "rope_parameters": {
+                "rope_type": "llama3",
+                "rope_theta": 500000.0,
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 512,
+            },
+        },
+        # Mistral v0.2+ style: no sliding window (a mask detail block servers would have to copy).
+        "mistral": lambda: {
+            **_llama_like("mistral", common, hidden_size),
+            "sliding_window": None,
+            "tie_word_embeddings": False,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0},
+        },
+        # Qwen2: q/k/v projections carry biases; small Qwen models tie the LM head to the embeddings.
+        "qwen2": lambda: {
+            **_llama_like("qwen2", common, hidden_size),
+            "tie_word_embeddings": True,
+            "use_sliding_window": False,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0},
+        },
+        "mixtral": lambda: {
+            **_llama_like("mixtral", common, hidden_size),
+            "num_local_experts": 4,
+            "num_experts_per_tok": 2,
+            "sliding_window": None,
+            "tie_word_embeddings": False,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0},
+        },
+        # Falcon-40B/180B layout: grouped KV heads, two layernorms feeding parallel attention and MLP, rotary.
+        "falcon": lambda: {
+            **common,
+            "model_type": "falcon",
+            "num_attention_heads": 4,
+            "num_kv_heads": 2,
+            "new_decoder_architecture": True,
+            "multi_query": False,
+            "parallel_attn": True,
+            "num_ln_in_parallel_attn": 2,
+            "alibi": False,
+            "bias": False,
+            "ffn_hidden_size": 4 * hidden_size,
+            "tie_word_embeddings": True,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+        },
+        # BLOOM: ALiBi positions, embedding layernorm, biases everywhere, tied head.
+        "bloom": lambda: {
+            **common,
+            "model_type": "bloom",
+            "n_head": 4,
+            "tie_word_embeddings": True,
+        },
+    }
+    kwargs = builders[family]()
+    model_type = kwargs.pop("model_type")
+    return AutoConfig.for_model(model_type, **kwargs)
+
+
+#: Final norms whose scale gets random signs (see ``_perturb_constant_params``).
+FINAL_NORM_WEIGHTS = frozenset({"model.norm.weight", "transformer.ln_f.weight"})
+
+
+@torch.no_grad()
+def _perturb_constant_params(model: torch.nn.Module, seed: int, std: float) -> None:
+    """Give norm weights and biases (initialised to exactly 1 / 0) random values.
+
+    A block server that forgets to load a bias or a norm weight would otherwise still match the reference.
+    The final norm also gets random signs: with a tied LM head, logits ≈ <hidden, embedding>, and a random
+    model whose residual stream is dominated by the current token's embedding would just echo that token
+    forever under greedy decoding.
+    """
+    gen = torch.Generator().manual_seed(seed + 1)
+    for name, param in sorted(model.named_parameters(), key=lambda kv: kv[0]):
+        if param.dim() != 1:
+            continue
+        noise = torch.randn(param.shape, generator=gen, dtype=torch.float32) * std
+        if name.endswith("bias"):
+            param.copy_(noise.to(param.dtype))
+            continue
+        scale = 1.0 + noise  # norm scale
+        if name in FINAL_NORM_WEIGHTS:
+            scale *= torch.randint(0, 2, param.shape, generator=gen).to(torch.float32) * 2 - 1
+        param.copy_(scale.to(param.dtype))
+
+
+def make_tiny_model(
+    out_dir: str | pathlib.Path,
+    family: str = "llama",
+    num_layers: int = 4,
+    seed: int = 0,
+    hidden_size: int = 64,
+) -> pathlib.Path:
+    """Write a tiny random ``family`` model + tokenizer to ``out_dir``; return the directory."""
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    if hidden_size > 128:
+        raise ValueError(f"tiny models keep hidden size <= 128, got {hidden_size}")
+    out = pathlib.Path(out_dir).expanduser()
+    tokenizer = build_tokenizer(family)
+    eos = [tokenizer.convert_tokens_to_ids(IM_END), tokenizer.convert_tokens_to_ids(ENDOFTEXT)]
+    pad = tokenizer.convert_tokens_to_ids(ENDOFTEXT)
+    config = family_config(family, len(tokenizer), hidden_size, num_layers, eos, pad)
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    _perturb_constant_params(model, seed, INIT_STD)
+    model.eval()
+    model.generation_config = GenerationConfig(bos_token_id=None, eos_token_id=eos, pad_token_id=pad)
+
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``swarmserve tiny-model OUT [--family F] [--layers N] [--seed S] [--hidden H]``."""
+    parser = argparse.ArgumentParser(
+        prog="swarmserve tiny-model", description="Write a small random-weight model with a real tokenizer."
+    )
+    parser.add_argument("out", metavar="OUT", help="output directory (created if missing)")
+    parser.add_argument("--family", choices=FAMILIES, default="llama")
+    parser.add_argument("--layers", type=int, default=4, help="number of transformer blocks (default 4)")
+    parser.add_argument("--seed", type=int, default=0, help="random seed; same seed, same weights")
+    parser.add_argument("--hidden", type=int, default=64, help="hidden size, a multiple of 8, at most 128")
+    args = parser.parse_args(argv)
+    try:
+        out = make_tiny_model(
+            args.out, family=args.family, num_layers=args.layers, seed=args.seed, hidden_size=args.hidden
+        )
+    except ValueError as exc:
+        parser.error(str(exc))
+    print(json.dumps({"path": str(out.resolve()), "family": args.family, "layers": args.layers}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

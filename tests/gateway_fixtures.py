@@ -1,0 +1,222 @@
+"""Shared pieces of the gateway tests: one tiny model, one real uvicorn server over it, test backends.
+
+The server is started once per test process (``shared_gateway()``) and stopped at exit; each test module
+wraps it in a module fixture. It runs uvicorn in a thread on a pre-bound free port, serving
+``LocalBackend`` over a random tiny Llama (``swarm_client.tiny_model``) wrapped in ``InstrumentedBackend``,
+which counts sessions and can slow down or break steps on demand.
+"""
+
+from __future__ import annotations
+
+import atexit
+import functools
+import shutil
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import torch
+
+from gateway import BackgroundServer, GatewaySettings, LocalBackend, create_app
+from swarm_client.errors import NoRouteError
+
+#: every HTTP call in these tests has a deadline: a hung server fails a test instead of stalling CI
+REQUEST_TIMEOUT_S = 30.0
+
+
+@functools.lru_cache(maxsize=1)
+def tiny_model_dir() -> Path:
+    from swarm_client.tiny_model import make_tiny_model
+
+    root = Path(tempfile.mkdtemp(prefix="swarmserve-gw-tiny-"))
+    atexit.register(shutil.rmtree, root, ignore_errors=True)
+    return make_tiny_model(root / "tiny-llama", family="llama", num_layers=4, seed=0)
+
+
+@functools.lru_cache(maxsize=1)
+def tiny_tokenizer() -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_model_dir())
+
+
+class InstrumentedSession:
+    def __init__(self, owner: InstrumentedBackend, inner: Any):
+        self.owner = owner
+        self.inner = inner
+        self.closed = False
+
+    @property
+    def position(self) -> int:
+        return self.inner.position
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.inner.token_ids
+
+    def step(self, token_ids: list[int]) -> torch.Tensor:
+        owner = self.owner
+        with owner.lock:
+            if self.closed:
+                owner.steps_after_close += 1
+            owner.steps += 1
+            steps = owner.steps
+        if owner.fail_at_step is not None and steps >= owner.fail_at_step:
+            raise RuntimeError("injected failure in step()")
+        if owner.step_delay_s:
+            time.sleep(owner.step_delay_s)
+        return self.inner.step(token_ids)
+
+    def rollback(self, position: int) -> None:
+        self.inner.rollback(position)
+
+    def close(self) -> None:
+        with self.owner.lock:
+            if self.closed:
+                return
+            self.closed = True
+            self.owner.open_sessions -= 1
+        self.inner.close()
+
+
+class InstrumentedBackend:
+    """A ``ModelBackend`` around another one: counts sessions and steps; can delay or fail steps."""
+
+    def __init__(self, inner: Any):
+        self.inner = inner
+        self.model_id = inner.model_id
+        self.tokenizer = inner.tokenizer
+        self.max_context = inner.max_context
+        self.generation_config = getattr(inner, "generation_config", None)
+        self.lock = threading.Lock()
+        self.open_sessions = 0
+        self.sessions_opened = 0
+        self.steps = 0
+        self.steps_after_close = 0
+        self.step_delay_s = 0.0
+        self.fail_at_step: int | None = None
+        self.max_lengths: list[int] = []
+
+    def open_session(self, max_length: int, session_id: str | None = None) -> InstrumentedSession:
+        session = InstrumentedSession(self, self.inner.open_session(max_length, session_id))
+        with self.lock:
+            self.open_sessions += 1
+            self.sessions_opened += 1
+            self.max_lengths.append(max_length)
+        return session
+
+    def swarm_state(self) -> dict:
+        return self.inner.swarm_state()
+
+    def close(self) -> None:
+        self.inner.close()
+
+    @contextmanager
+    def tweaked(self, **attrs: Any) -> Iterator[InstrumentedBackend]:
+        """Set knobs (``step_delay_s``, ``fail_at_step``) for one test; counters restart from zero."""
+        old = {k: getattr(self, k) for k in attrs}
+        with self.lock:
+            self.steps = 0
+        for k, v in attrs.items():
+            setattr(self, k, v)
+        try:
+            yield self
+        finally:
+            for k, v in old.items():
+                setattr(self, k, v)
+
+    def wait_all_closed(self, timeout: float = 10.0) -> bool:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.open_sessions == 0:
+                return True
+            time.sleep(0.02)
+        return self.open_sessions == 0
+
+
+class NoRouteBackend:
+    """A swarm with blocks 2-3 missing: ``open_session`` raises ``NoRouteError``, ``/health`` is 503."""
+
+    def __init__(self, tokenizer: Any, model_id: str = "tiny-llama"):
+        self.model_id = model_id
+        self.tokenizer = tokenizer
+        self.max_context = 2048
+
+    def open_session(self, max_length: int, session_id: str | None = None) -> Any:
+        raise NoRouteError("no server holds blocks 2-3", missing_blocks=[2, 3])
+
+    def swarm_state(self) -> dict:
+        return {"model": self.model_id, "num_blocks": 4, "missing_blocks": [2, 3]}
+
+    def close(self) -> None:
+        pass
+
+
+class BrokenStateBackend(NoRouteBackend):
+    """``swarm_state`` raises something unexpected: /v1/swarm must still answer in the error envelope."""
+
+    def swarm_state(self) -> dict:
+        raise ZeroDivisionError("a bug")
+
+
+@dataclass
+class Gateway:
+    server: BackgroundServer
+    backend: Any
+
+    @property
+    def url(self) -> str:
+        return self.server.url
+
+    @property
+    def model(self) -> str:
+        return Path(self.backend.model_id).name
+
+    def client(self, **kw: Any) -> openai.OpenAI:
+        kw.setdefault("timeout", REQUEST_TIMEOUT_S)
+        kw.setdefault("max_retries", 0)
+        return openai.OpenAI(base_url=self.server.base_url, api_key="x", **kw)
+
+    def http(self) -> httpx.Client:
+        return httpx.Client(base_url=self.url, timeout=REQUEST_TIMEOUT_S)
+
+
+def start_gateway(backend: Any, **settings: Any) -> Gateway:
+    settings.setdefault("default_max_tokens", 32)
+    server = BackgroundServer(create_app(backend, GatewaySettings(**settings))).start()
+    return Gateway(server, backend)
+
+
+_shared: dict[str, Gateway] = {}
+_shared_lock = threading.Lock()
+
+
+def shared_gateway() -> Gateway:
+    """The process-wide gateway over the tiny model (started on first use, stopped at exit)."""
+    with _shared_lock:
+        if "gw" not in _shared:
+            # decode steps of a tiny model are microseconds of math: intra-op threads only add contention
+            torch.set_num_threads(1)
+            backend = InstrumentedBackend(LocalBackend(tiny_model_dir()))
+            gw = start_gateway(backend)
+            _shared["gw"] = gw
+            atexit.register(gw.server.stop)
+        return _shared["gw"]
+
+
+@contextmanager
+def temporary_gateway(make_backend: Callable[[], Any], **settings: Any) -> Iterator[Gateway]:
+    """A gateway of its own (not waiting for /health: these backends are unhealthy on purpose)."""
+    backend = make_backend()
+    server = BackgroundServer(create_app(backend, GatewaySettings(**settings))).start(wait_healthy=False)
+    try:
+        yield Gateway(server, backend)
+    finally:
+        server.stop()

@@ -1,0 +1,347 @@
+"""Unit tests for swarm_client.routing: route choice, missing-block errors, ban backoff."""
+
+from __future__ import annotations
+
+import pytest
+
+from swarm_client.dht_records import RemoteSpanInfo, ServerInfo, ServerState
+from swarm_client.errors import NoRouteError
+from swarm_client.routing import (
+    CACHE_PENALTY,
+    BanList,
+    RouteHop,
+    coverage,
+    find_route,
+    format_blocks,
+    missing_blocks,
+)
+
+
+def span(
+    peer_id: str,
+    start: int,
+    end: int,
+    *,
+    throughput: float = 100.0,
+    state: ServerState = ServerState.ONLINE,
+    cache_tokens_left: int = 10_000,
+) -> RemoteSpanInfo:
+    info = ServerInfo(
+        state=state,
+        start_block=start,
+        end_block=end,
+        throughput=throughput,
+        cache_tokens_left=cache_tokens_left,
+    )
+    return RemoteSpanInfo(peer_id, start, end, info)
+
+
+def swarm(*spans: RemoteSpanInfo) -> dict[str, RemoteSpanInfo]:
+    return {s.peer_id: s for s in spans}
+
+
+# --- find_route -------------------------------------------------------------------------------------
+
+
+def test_single_server_covers_everything():
+    assert find_route(swarm(span("A", 0, 8)), 0, 8) == [RouteHop("A", 0, 8)]
+
+
+def test_empty_range_is_empty_route():
+    assert find_route(swarm(span("A", 0, 8)), 3, 3) == []
+
+
+@pytest.mark.parametrize("start,end", [(-1, 3), (5, 2)])
+def test_invalid_range_raises(start, end):
+    with pytest.raises(ValueError):
+        find_route(swarm(span("A", 0, 8)), start, end)
+
+
+def test_chain_of_three():
+    spans = swarm(span("A", 0, 3), span("B", 3, 6), span("C", 6, 9))
+    assert find_route(spans, 0, 9) == [RouteHop("A", 0, 3), RouteHop("B", 3, 6), RouteHop("C", 6, 9)]
+
+
+def test_hops_are_contiguous_and_cover_range():
+    spans = swarm(span("A", 0, 4), span("B", 2, 7), span("C", 5, 10), span("D", 1, 9, throughput=30))
+    route = find_route(spans, 0, 10)
+    assert route[0].start == 0 and route[-1].end == 10
+    assert all(a.end == b.start for a, b in zip(route[:-1], route[1:], strict=True))
+    for hop in route:
+        assert spans[hop.peer_id].start <= hop.start < hop.end <= spans[hop.peer_id].end
+
+
+def test_overlapping_spans_prefer_fewer_hops():
+    # The full-model server costs one rtt; the pair costs two at equal compute.
+    spans = swarm(span("A", 0, 5), span("B", 5, 10), span("C", 0, 10))
+    assert find_route(spans, 0, 10) == [RouteHop("C", 0, 10)]
+
+
+def test_overlapping_spans_split_point_is_inside_overlap():
+    spans = swarm(span("A", 0, 6), span("B", 4, 10))
+    route = find_route(spans, 0, 10)
+    assert [h.peer_id for h in route] == ["A", "B"]
+    assert 4 <= route[0].end <= 6
+
+
+def test_mid_span_entry_and_early_exit():
+    spans = swarm(span("A", 0, 10))
+    assert find_route(spans, 3, 7) == [RouteHop("A", 3, 7)]
+
+
+def test_sub_range_chain_starts_mid_span():
+    spans = swarm(span("A", 0, 5), span("B", 5, 10))
+    assert find_route(spans, 2, 8) == [RouteHop("A", 2, 5), RouteHop("B", 5, 8)]
+
+
+def test_failed_span_replaced_by_several_servers():
+    spans = swarm(span("A", 0, 4), span("B", 4, 8), span("C", 4, 6), span("D", 6, 8), span("E", 8, 12))
+    route = find_route(spans, 0, 12, banned={"B"})
+    assert route == [RouteHop("A", 0, 4), RouteHop("C", 4, 6), RouteHop("D", 6, 8), RouteHop("E", 8, 12)]
+
+
+def test_banned_peer_avoided_even_if_faster():
+    spans = swarm(span("fast", 0, 4, throughput=1000), span("slow", 0, 4, throughput=10))
+    assert find_route(spans, 0, 4)[0].peer_id == "fast"
+    assert find_route(spans, 0, 4, banned=["fast"]) == [RouteHop("slow", 0, 4)]
+
+
+@pytest.mark.parametrize("state", [ServerState.JOINING, ServerState.OFFLINE])
+def test_only_online_servers_are_used(state):
+    spans = swarm(span("A", 0, 4, throughput=1000, state=state), span("B", 0, 4, throughput=1))
+    assert find_route(spans, 0, 4) == [RouteHop("B", 0, 4)]
+
+
+def test_rtt_preference():
+    spans = swarm(span("near", 0, 4), span("far", 0, 4))
+    assert find_route(spans, 0, 4, rtt={"near": 0.001, "far": 0.5})[0].peer_id == "near"
+    assert find_route(spans, 0, 4, rtt={"near": 0.5, "far": 0.001})[0].peer_id == "far"
+
+
+def test_default_rtt_applies_to_unmeasured_peers():
+    spans = swarm(span("measured", 0, 4), span("unknown", 0, 4))
+    route = find_route(spans, 0, 4, rtt={"measured": 0.05}, default_rtt=0.01)
+    assert route == [RouteHop("unknown", 0, 4)]
+    route = find_route(spans, 0, 4, rtt={"measured": 0.05}, default_rtt=1.0)
+    assert route == [RouteHop("measured", 0, 4)]
+
+
+def test_throughput_preference():
+    spans = swarm(span("A", 0, 6, throughput=50), span("B", 0, 6, throughput=500))
+    assert find_route(spans, 0, 6) == [RouteHop("B", 0, 6)]
+
+
+def test_throughput_outweighs_extra_hop_when_large():
+    # One slow server (6 blocks at 1 tok/s = 6 s) vs two fast ones (2 rtts + 0.06 s).
+    spans = swarm(span("slow", 0, 6, throughput=1), span("F1", 0, 3, throughput=100), span("F2", 3, 6))
+    assert [h.peer_id for h in find_route(spans, 0, 6)] == ["F1", "F2"]
+
+
+def test_extra_hop_outweighs_small_throughput_gain():
+    spans = swarm(span("one", 0, 6, throughput=100), span("F1", 0, 3, throughput=110), span("F2", 3, 6))
+    assert find_route(spans, 0, 6) == [RouteHop("one", 0, 6)]
+
+
+def test_zero_throughput_server_used_only_as_last_resort():
+    spans = swarm(span("zero", 0, 4, throughput=0), span("ok", 2, 4))
+    assert find_route(spans, 0, 4) == [RouteHop("zero", 0, 2), RouteHop("ok", 2, 4)]
+
+
+def test_cache_penalty_prefers_server_with_room():
+    spans = swarm(
+        span("full", 0, 4, throughput=1000, cache_tokens_left=10),
+        span("roomy", 0, 4, throughput=10, cache_tokens_left=5000),
+    )
+    assert find_route(spans, 0, 4)[0].peer_id == "full"
+    assert find_route(spans, 0, 4, cache_tokens_needed=100)[0].peer_id == "roomy"
+
+
+def test_cache_penalty_is_a_last_resort_not_a_ban():
+    spans = swarm(span("full", 0, 4, cache_tokens_left=10))
+    assert find_route(spans, 0, 4, cache_tokens_needed=100) == [RouteHop("full", 0, 4)]
+    assert CACHE_PENALTY > 100
+
+
+def test_cache_penalty_routes_around_full_server_via_two_hops():
+    spans = swarm(span("full", 0, 6, cache_tokens_left=0), span("L", 0, 3), span("R", 3, 6))
+    assert [h.peer_id for h in find_route(spans, 0, 6, cache_tokens_needed=1)] == ["L", "R"]
+
+
+def test_ties_broken_by_peer_id():
+    spans = swarm(span("zeta", 0, 4), span("alpha", 0, 4), span("mid", 0, 4))
+    assert find_route(spans, 0, 4) == [RouteHop("alpha", 0, 4)]
+
+
+def test_ties_deterministic_regardless_of_insertion_order():
+    a = [span("A", 0, 6), span("B", 3, 10), span("C", 0, 10, throughput=50), span("D", 5, 10)]
+    first = find_route(swarm(*a), 0, 10)
+    second = find_route(swarm(*reversed(a)), 0, 10)
+    assert first == second
+
+
+def test_ties_prefer_fewer_hops_over_peer_id():
+    # "A"+"B" splits the same compute as "Z" but pays one more rtt; with rtt 0 the costs tie exactly.
+    spans = swarm(span("A", 0, 2), span("B", 2, 4), span("Z", 0, 4))
+    assert find_route(spans, 0, 4, default_rtt=0.0) == [RouteHop("Z", 0, 4)]
+
+
+def test_spans_outside_requested_range_ignored():
+    spans = swarm(span("A", 0, 2), span("B", 2, 6), span("C", 6, 9))
+    assert find_route(spans, 2, 6) == [RouteHop("B", 2, 6)]
+
+
+def test_no_route_names_missing_blocks():
+    spans = swarm(span("A", 0, 3), span("B", 6, 8), span("C", 9, 10))
+    with pytest.raises(NoRouteError) as err:
+        find_route(spans, 0, 10)
+    assert err.value.missing_blocks == [3, 4, 5, 8]
+    assert "blocks 3..5, 8" in str(err.value)
+
+
+def test_no_route_single_missing_block_message():
+    spans = swarm(span("A", 0, 4), span("B", 5, 8))
+    with pytest.raises(NoRouteError, match=r"block 4\b") as err:
+        find_route(spans, 0, 8)
+    assert err.value.missing_blocks == [4]
+
+
+def test_no_route_only_reports_blocks_in_requested_range():
+    spans = swarm(span("A", 2, 4))
+    with pytest.raises(NoRouteError) as err:
+        find_route(spans, 3, 6)
+    assert err.value.missing_blocks == [4, 5]
+
+
+def test_no_route_when_everything_banned_mentions_bans():
+    spans = swarm(span("A", 0, 4), span("B", 0, 4, state=ServerState.JOINING))
+    with pytest.raises(NoRouteError) as err:
+        find_route(spans, 0, 4, banned={"A"})
+    assert err.value.missing_blocks == [0, 1, 2, 3]
+    assert "1 banned" in str(err.value) and "1 not ONLINE" in str(err.value)
+
+
+def test_no_route_empty_swarm():
+    with pytest.raises(NoRouteError) as err:
+        find_route({}, 0, 3)
+    assert err.value.missing_blocks == [0, 1, 2]
+    assert "blocks 0..2" in str(err.value)
+
+
+# --- coverage ---------------------------------------------------------------------------------------
+
+
+def test_coverage_lists_online_peers_sorted():
+    spans = swarm(
+        span("B", 0, 2), span("A", 1, 3), span("J", 0, 3, state=ServerState.JOINING), span("O", 2, 3)
+    )
+    assert coverage(spans, 4) == [["B"], ["A", "B"], ["A", "O"], []]
+
+
+def test_coverage_clips_to_num_blocks():
+    assert coverage(swarm(span("A", 2, 10)), 4) == [[], [], ["A"], ["A"]]
+
+
+def test_missing_blocks():
+    spans = swarm(span("A", 0, 2), span("B", 4, 5), span("X", 2, 4, state=ServerState.OFFLINE))
+    assert missing_blocks(spans, 6) == [2, 3, 5]
+    assert missing_blocks(swarm(span("A", 0, 6)), 6) == []
+
+
+@pytest.mark.parametrize(
+    "blocks,text",
+    [([], "no blocks"), ([3], "block 3"), ([5, 3, 4], "blocks 3..5"), ([0, 2, 3, 7], "blocks 0, 2..3, 7")],
+)
+def test_format_blocks(blocks, text):
+    assert format_blocks(blocks) == text
+
+
+# --- BanList ----------------------------------------------------------------------------------------
+
+
+def test_ban_first_failure_lasts_base():
+    bans = BanList()
+    assert bans.ban("A", now=100.0) == 1.0
+    assert bans.is_banned("A", now=100.0)
+    assert bans.is_banned("A", now=100.99)
+    assert not bans.is_banned("A", now=101.0)
+    assert not bans.is_banned("B", now=100.0)
+
+
+def test_ban_doubles_per_repeated_failure_up_to_max():
+    bans = BanList(base=1.0, max_ban=60.0)
+    durations = [bans.ban("A", now=0.0) for _ in range(9)]
+    assert durations == [1, 2, 4, 8, 16, 32, 60, 60, 60]
+    assert bans.failures("A") == 9
+
+
+def test_ban_backoff_timing():
+    bans = BanList(base=2.0, max_ban=10.0)
+    bans.ban("A", now=0.0)  # 2 s
+    assert not bans.is_banned("A", now=2.0)
+    bans.ban("A", now=5.0)  # 4 s
+    assert bans.is_banned("A", now=8.9)
+    assert not bans.is_banned("A", now=9.0)
+    bans.ban("A", now=20.0)  # 8 s
+    bans.ban("A", now=30.0)  # capped at 10 s
+    assert bans.is_banned("A", now=39.9)
+    assert not bans.is_banned("A", now=40.0)
+
+
+def test_success_resets_backoff():
+    bans = BanList()
+    for _ in range(4):
+        bans.ban("A", now=0.0)
+    bans.report_success("A")
+    assert not bans.is_banned("A", now=0.0)
+    assert bans.failures("A") == 0
+    assert bans.ban("A", now=0.0) == 1.0
+
+
+def test_unban_lifts_ban_but_keeps_backoff():
+    bans = BanList()
+    bans.ban("A", now=0.0)
+    bans.ban("A", now=0.0)
+    bans.unban("A")
+    assert not bans.is_banned("A", now=0.0)
+    assert bans.ban("A", now=0.0) == 4.0
+
+
+def test_unban_and_success_of_unknown_peer_are_noops():
+    bans = BanList()
+    bans.unban("nobody")
+    bans.report_success("nobody")
+    assert bans.banned(now=0.0) == set()
+
+
+def test_banned_set_at_time():
+    bans = BanList()
+    bans.ban("A", now=0.0)  # until 1
+    bans.ban("B", now=0.0)
+    bans.ban("B", now=0.0)  # until 2
+    assert bans.banned(now=0.5) == {"A", "B"}
+    assert bans.banned(now=1.5) == {"B"}
+    assert bans.banned(now=2.5) == set()
+
+
+def test_ban_uses_monotonic_clock_by_default(monkeypatch):
+    clock = [1000.0]
+    monkeypatch.setattr("swarm_client.routing.time.monotonic", lambda: clock[0])
+    bans = BanList()
+    bans.ban("A")
+    assert bans.is_banned("A") and bans.banned() == {"A"}
+    clock[0] += 1.0
+    assert not bans.is_banned("A")
+
+
+@pytest.mark.parametrize("base,max_ban", [(0.0, 60.0), (-1.0, 60.0), (10.0, 5.0)])
+def test_banlist_rejects_bad_config(base, max_ban):
+    with pytest.raises(ValueError):
+        BanList(base=base, max_ban=max_ban)
+
+
+def test_banlist_feeds_find_route():
+    spans = swarm(span("A", 0, 4, throughput=1000), span("B", 0, 4))
+    bans = BanList()
+    bans.ban("A", now=0.0)
+    assert find_route(spans, 0, 4, banned=bans.banned(now=0.5)) == [RouteHop("B", 0, 4)]
+    assert find_route(spans, 0, 4, banned=bans.banned(now=1.5)) == [RouteHop("A", 0, 4)]

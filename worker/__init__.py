@@ -1,0 +1,1 @@
+"""Block server: serves a contiguous span of transformer blocks to the swarm."""

@@ -1,0 +1,191 @@
+"""Per-session KV caches within a token budget.
+
+The budget counts *token slots*: one slot holds one token's keys and values in every block this server
+serves, for one sequence of the batch. Caches grow on demand (doubling, capped at the session's
+``max_length``) instead of reserving ``max_length`` up front as Petals does, so short chats leave room
+for many concurrent sessions. Sessions whose stream ended can be kept *detached* for ``session_ttl``
+seconds so a later stream resumes them; detached sessions are evicted LRU when space is needed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from swarm_client.errors import CacheExhaustedError, InvalidInputError, SessionNotFoundError
+from swarm_client.families import CacheLayout
+
+MIN_CAPACITY = 64
+
+
+@dataclass(eq=False)
+class SessionCache:
+    session_id: str
+    batch_size: int
+    max_length: int
+    num_layers: int
+    layout: CacheLayout
+    dtype: torch.dtype
+    device: torch.device
+    #: per layer (keys, values), each ``[batch, kv_heads, capacity, head_dim]``
+    kv: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    capacity: int = 0
+    position: int = 0
+    attached: bool = True
+    last_used: float = field(default_factory=time.monotonic)
+    owner: str | None = None
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+    @property
+    def slots(self) -> int:
+        return self.capacity * self.batch_size
+
+    def touch(self) -> None:
+        self.last_used = time.monotonic()
+
+    def layer_kv(self) -> Sequence[tuple[torch.Tensor, torch.Tensor]]:
+        return self.kv
+
+
+class CacheManager:
+    def __init__(
+        self,
+        max_tokens: int,
+        num_layers: int,
+        layout: CacheLayout,
+        dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+        session_ttl: float = 0.0,
+        max_sessions_per_peer: int = 64,
+    ):
+        self.max_tokens = max_tokens
+        self.num_layers = num_layers
+        self.layout = layout
+        self.dtype = dtype
+        self.device = torch.device(device)
+        self.session_ttl = session_ttl
+        self.max_sessions_per_peer = max_sessions_per_peer
+        self.sessions: dict[str, SessionCache] = {}
+        self.used_slots = 0
+
+    @property
+    def tokens_left(self) -> int:
+        return self.max_tokens - self.used_slots
+
+    @property
+    def bytes_per_slot(self) -> int:
+        return self.layout.bytes_per_token(self.dtype) * self.num_layers
+
+    def open(self, session_id: str, batch_size: int, max_length: int, owner: str | None = None) -> SessionCache:
+        """Register a new attached session (no memory yet beyond the first small chunk)."""
+        if session_id in self.sessions:
+            raise InvalidInputError(f"session {session_id!r} already exists on this server; resume it instead")
+        if batch_size * max_length > self.max_tokens:
+            raise CacheExhaustedError(
+                f"batch_size * max_length = {batch_size * max_length} token slots exceeds this server's whole "
+                f"cache budget of {self.max_tokens}; ask for a shorter max_length or use another server"
+            )
+        if owner is not None:
+            owned = sum(1 for s in self.sessions.values() if s.owner == owner and s.attached)
+            if owned >= self.max_sessions_per_peer:
+                raise CacheExhaustedError(f"too many open sessions from one peer (limit {self.max_sessions_per_peer})")
+        cache = SessionCache(
+            session_id, batch_size, max_length, self.num_layers, self.layout, self.dtype, self.device, owner=owner
+        )
+        self.sessions[session_id] = cache
+        try:
+            self.ensure_capacity(cache, min(max_length, MIN_CAPACITY))
+        except BaseException:
+            del self.sessions[session_id]
+            raise
+        return cache
+
+    def resume(self, session_id: str, owner: str | None = None) -> SessionCache:
+        self.expire()
+        cache = self.sessions.get(session_id)
+        if cache is None:
+            raise SessionNotFoundError(f"session {session_id!r} is not on this server (expired, evicted or never opened)")
+        if cache.attached:
+            raise InvalidInputError(f"session {session_id!r} is in use by another stream")
+        cache.attached = True
+        cache.owner = owner
+        cache.touch()
+        return cache
+
+    def ensure_capacity(self, cache: SessionCache, length: int) -> None:
+        """Grow ``cache`` so ``length`` tokens fit, evicting detached sessions if the budget needs it."""
+        if length <= cache.capacity:
+            return
+        if length > cache.max_length:
+            raise InvalidInputError(f"{length} tokens exceed the session's max_length {cache.max_length}")
+        new_capacity = min(cache.max_length, max(length, 2 * cache.capacity, MIN_CAPACITY))
+        extra = (new_capacity - cache.capacity) * cache.batch_size
+        self._make_room(extra, exclude=cache)
+        shape = (cache.batch_size, self.layout.num_kv_heads, new_capacity, self.layout.head_dim)
+        new_kv = []
+        for layer in range(self.num_layers):
+            k = torch.empty(shape, dtype=self.dtype, device=self.device)
+            v = torch.empty(shape, dtype=self.dtype, device=self.device)
+            if cache.kv:
+                old_k, old_v = cache.kv[layer]
+                k[:, :, : cache.position] = old_k[:, :, : cache.position]
+                v[:, :, : cache.position] = old_v[:, :, : cache.position]
+            new_kv.append((k, v))
+        cache.kv = new_kv
+        self.used_slots += extra
+        cache.capacity = new_capacity
+
+    def _make_room(self, slots: int, exclude: SessionCache | None = None) -> None:
+        self.expire()
+        if self.tokens_left >= slots:
+            return
+        detached = sorted(
+            (s for s in self.sessions.values() if not s.attached and s is not exclude), key=lambda s: s.last_used
+        )
+        for victim in detached:
+            self.free(victim.session_id)
+            if self.tokens_left >= slots:
+                return
+        raise CacheExhaustedError(
+            f"server cache is full: {slots} token slots needed, {self.tokens_left} free of {self.max_tokens}; "
+            "retry later or route to another server"
+        )
+
+    def release(self, session_id: str, keep: bool) -> None:
+        """End a stream's hold on a session: keep it detached for the TTL, or free it now."""
+        cache = self.sessions.get(session_id)
+        if cache is None:
+            return
+        if keep and self.session_ttl > 0:
+            cache.attached = False
+            cache.owner = None
+            cache.touch()
+        else:
+            self.free(session_id)
+
+    def free(self, session_id: str) -> None:
+        cache = self.sessions.pop(session_id, None)
+        if cache is not None:
+            self.used_slots -= cache.slots
+            cache.kv = []
+            cache.capacity = 0
+
+    def expire(self) -> int:
+        now = time.monotonic()
+        stale = [s.session_id for s in self.sessions.values() if not s.attached and now - s.last_used > self.session_ttl]
+        for session_id in stale:
+            self.free(session_id)
+        return len(stale)
+
+    def stats(self) -> dict:
+        return {
+            "cache_tokens_total": self.max_tokens,
+            "cache_tokens_used": self.used_slots,
+            "cache_tokens_left": self.tokens_left,
+            "sessions_attached": sum(1 for s in self.sessions.values() if s.attached),
+            "sessions_detached": sum(1 for s in self.sessions.values() if not s.attached),
+        }

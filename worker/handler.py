@@ -1,0 +1,234 @@
+"""RPC handlers of a block server: inference streams, stateless forward/backward, info.
+
+Every request is validated before it touches a block; a bad request gets a structured error
+(``swarm_client.errors``) and the server goes on serving everybody else.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import Callable
+from typing import AsyncIterator  # noqa: UP035 - hivemind detects streams by typing.AsyncIterator only
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+from hivemind.p2p import P2PContext
+from hivemind.proto import runtime_pb2
+
+from swarm_client import protocol
+from swarm_client.errors import InvalidInputError, LengthExceededError, RemoteError, error_to_wire
+from worker.cache import CacheManager, SessionCache
+from worker.compute import SpanRunner
+
+logger = logging.getLogger(__name__)
+
+
+class HandlerLimits:
+    def __init__(
+        self,
+        max_batch_size: int = 64,
+        max_forward_tokens: int = 16384,
+        max_tensor_bytes: int = 256 * 2**20,
+        idle_timeout: float = 300.0,
+    ):
+        self.max_batch_size = max_batch_size
+        self.max_forward_tokens = max_forward_tokens
+        self.max_tensor_bytes = max_tensor_bytes
+        self.idle_timeout = idle_timeout
+
+
+class BlockHandler(protocol.BlockRPC):
+    def __init__(
+        self,
+        runner: SpanRunner,
+        caches: CacheManager,
+        hidden_size: int,
+        start: int,
+        end: int,
+        info: Callable[[], dict],
+        limits: HandlerLimits | None = None,
+    ):
+        self.runner = runner
+        self.caches = caches
+        self.hidden_size = hidden_size
+        self.start, self.end = start, end
+        self.info = info
+        self.limits = limits or HandlerLimits()
+        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="compute")
+        self.accepting = True
+        self.tokens_processed = 0
+        self.inference_steps = 0
+        self.active_streams = 0
+
+    async def _compute(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
+
+    # ---------------------------------------------------------------- validation
+    def _check_hidden(self, tensors: list[torch.Tensor], count: int = 1) -> list[torch.Tensor]:
+        if len(tensors) != count:
+            raise InvalidInputError(f"expected {count} tensor(s), got {len(tensors)}")
+        for t in tensors:
+            if not t.dtype.is_floating_point:
+                raise InvalidInputError(f"hidden states must be floating point, got {t.dtype}")
+            if t.ndim != 3:
+                raise InvalidInputError(f"hidden states must be [batch, tokens, hidden], got shape {tuple(t.shape)}")
+            if t.shape[2] != self.hidden_size:
+                raise InvalidInputError(f"hidden size {t.shape[2]} does not match this model's {self.hidden_size}")
+            if t.shape[1] < 1 or t.shape[0] < 1:
+                raise InvalidInputError(f"empty hidden states {tuple(t.shape)}")
+            if t.numel() * t.element_size() > self.limits.max_tensor_bytes:
+                raise InvalidInputError(f"tensor of {t.numel() * t.element_size()} bytes exceeds the server's limit")
+            if not torch.isfinite(t).all():
+                raise InvalidInputError("hidden states contain NaN or inf")
+        return tensors
+
+    # ---------------------------------------------------------------- info
+    async def rpc_info(self, request: runtime_pb2.ExpertUID, context: P2PContext) -> runtime_pb2.ExpertInfo:
+        self.caches.expire()
+        payload = {
+            **self.info(),
+            **self.caches.stats(),
+            "tokens_processed": self.tokens_processed,
+            "inference_steps": self.inference_steps,
+            "active_streams": self.active_streams,
+            "accepting": self.accepting,
+        }
+        return runtime_pb2.ExpertInfo(serialized_info=protocol.pack_metadata(payload))
+
+    # ---------------------------------------------------------------- inference
+    async def rpc_inference(
+        self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
+    ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
+        owner = context.remote_id.to_base58() if context.remote_id is not None else None
+        cache: SessionCache | None = None
+        keep = False
+        self.active_streams += 1
+        try:
+            try:
+                first = await asyncio.wait_for(anext(requests), self.limits.idle_timeout)
+                cache = self._open_session(protocol.unpack_metadata(first.metadata), owner)
+            except (RemoteError, ValueError) as e:
+                yield protocol.make_response(error=self._wire_error(e))
+                return
+            except (StopAsyncIteration, asyncio.TimeoutError):
+                return
+            yield protocol.make_response(position=cache.position, session_id=cache.session_id)
+
+            while True:
+                try:
+                    request = await asyncio.wait_for(anext(requests), self.limits.idle_timeout)
+                except StopAsyncIteration:
+                    break
+                except asyncio.TimeoutError:
+                    logger.info("session %s idle for %.0fs; closing it", cache.session_id, self.limits.idle_timeout)
+                    break
+                try:
+                    metadata = protocol.unpack_metadata(request.metadata)
+                    if "close" in metadata:
+                        keep = bool(metadata["close"].get("keep", False))
+                        break
+                    tensors = [protocol.deserialize(t) for t in request.tensors]
+                    out, position = await self._step(cache, tensors, metadata)
+                    yield protocol.make_response([out], compression=metadata.get("compression", "none"), position=position)
+                except (RemoteError, ValueError) as e:
+                    yield protocol.make_response(error=self._wire_error(e))
+                except Exception as e:  # never let one session take the server down
+                    logger.exception("inference step failed")
+                    yield protocol.make_response(error={"code": "remote_error", "message": f"internal error: {e!r}"})
+        finally:
+            self.active_streams -= 1
+            if cache is not None:
+                self.caches.release(cache.session_id, keep=keep)
+
+    def _open_session(self, metadata: dict, owner: str | None) -> SessionCache:
+        spec = metadata.get("open")
+        if not isinstance(spec, dict):
+            raise InvalidInputError("the first message of an inference stream must be {'open': {...}}")
+        if not self.accepting:
+            raise RemoteError("server is shutting down; open the session elsewhere")
+        session_id = str(spec.get("session_id") or uuid.uuid4().hex)
+        if spec.get("resume"):
+            return self.caches.resume(session_id, owner)
+        batch_size, max_length = spec.get("batch_size", 1), spec.get("max_length")
+        if not isinstance(batch_size, int) or not 1 <= batch_size <= self.limits.max_batch_size:
+            raise InvalidInputError(f"batch_size must be an int in [1, {self.limits.max_batch_size}], got {batch_size!r}")
+        if not isinstance(max_length, int) or max_length < 1:
+            raise InvalidInputError(f"max_length must be a positive int, got {max_length!r}")
+        return self.caches.open(session_id, batch_size, max_length, owner=owner)
+
+    async def _step(self, cache: SessionCache, tensors: list[torch.Tensor], metadata: dict) -> tuple[torch.Tensor, int]:
+        (hidden,) = self._check_hidden(tensors)
+        if hidden.shape[0] != cache.batch_size:
+            raise InvalidInputError(f"batch size {hidden.shape[0]} does not match the session's {cache.batch_size}")
+        position = metadata.get("position", cache.position)
+        if not isinstance(position, int) or not 0 <= position <= cache.position:
+            raise InvalidInputError(f"position {position!r} must be an int in [0, {cache.position}] (cached tokens)")
+        length = hidden.shape[1]
+        if position + length > cache.max_length:
+            raise LengthExceededError(
+                f"step of {length} tokens at position {position} exceeds the session's max_length {cache.max_length}"
+            )
+        async with cache.lock:
+            cache.touch()
+            cache.position = position  # rolls back when position < cached tokens
+            self.caches.ensure_capacity(cache, position + length)
+            t0 = time.perf_counter()
+            out = await self._compute(
+                self.runner.inference_step, cache, hidden, position, bool(metadata.get("output_hidden_states"))
+            )
+            self.last_step_seconds = time.perf_counter() - t0
+        self.tokens_processed += length * hidden.shape[0]
+        self.inference_steps += 1
+        return out, cache.position
+
+    # ---------------------------------------------------------------- forward / backward
+    async def rpc_forward(
+        self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
+    ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
+        try:
+            tensors, metadata = await protocol.gather_message(requests)
+            (hidden,) = self._check_hidden(tensors)
+            self._check_forward_size(hidden)
+            out = await self._compute(self.runner.forward, hidden, bool(metadata.get("output_hidden_states")))
+            self.tokens_processed += hidden.shape[0] * hidden.shape[1]
+            for message in protocol.split_message([out], {}, runtime_pb2.ExpertResponse, metadata.get("compression", "none")):
+                yield message
+        except (RemoteError, ValueError) as e:
+            yield protocol.make_response(error=self._wire_error(e))
+        except Exception as e:
+            logger.exception("forward failed")
+            yield protocol.make_response(error={"code": "remote_error", "message": f"internal error: {e!r}"})
+
+    async def rpc_backward(
+        self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
+    ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
+        try:
+            tensors, metadata = await protocol.gather_message(requests)
+            hidden, grad_output = self._check_hidden(tensors, count=2)
+            if hidden.shape != grad_output.shape:
+                raise InvalidInputError(f"grad_output shape {tuple(grad_output.shape)} != input {tuple(hidden.shape)}")
+            self._check_forward_size(hidden)
+            grad = await self._compute(self.runner.backward, hidden, grad_output)
+            for message in protocol.split_message([grad], {}, runtime_pb2.ExpertResponse, metadata.get("compression", "none")):
+                yield message
+        except (RemoteError, ValueError) as e:
+            yield protocol.make_response(error=self._wire_error(e))
+        except Exception as e:
+            logger.exception("backward failed")
+            yield protocol.make_response(error={"code": "remote_error", "message": f"internal error: {e!r}"})
+
+    def _check_forward_size(self, hidden: torch.Tensor) -> None:
+        if hidden.shape[0] * hidden.shape[1] > self.limits.max_forward_tokens:
+            raise InvalidInputError(
+                f"{hidden.shape[0] * hidden.shape[1]} tokens in one forward exceed the limit "
+                f"{self.limits.max_forward_tokens}; split the batch"
+            )
+
+    @staticmethod
+    def _wire_error(e: Exception) -> dict:
+        if isinstance(e, RemoteError):
+            return error_to_wire(e)
+        return error_to_wire(InvalidInputError(str(e)))

@@ -1,0 +1,51 @@
+"""Build only this server's blocks, reading only their tensors from the checkpoint."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+from transformers import PretrainedConfig
+
+from swarm_client.families import Family
+from swarm_client.weights import load_tensors
+
+logger = logging.getLogger(__name__)
+
+
+def load_blocks(
+    model_dir: str,
+    config: PretrainedConfig,
+    family: Family,
+    start: int,
+    end: int,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> list[nn.Module]:
+    """Blocks ``[start, end)`` in ``dtype`` on ``device``; tensors of other blocks are never read."""
+    blocks = []
+    for index in range(start, end):
+        prefix = family.layer_prefix(index)
+        tensors = load_tensors(model_dir, [prefix], dtype=dtype, device=str(device), progress=False)
+        if not tensors:
+            raise ValueError(f"checkpoint {model_dir} has no tensors for block {index} (prefix {prefix!r})")
+        relative = {name[len(prefix) :]: t for name, t in tensors.items()}
+        block = family.build_block(config, index, relative)
+        block.requires_grad_(False)
+        blocks.append(block.to(device))
+        logger.info("loaded block %d (%d tensors)", index, len(relative))
+    return blocks
+
+
+def resolve_dtype(name: str, device: torch.device, config: PretrainedConfig | None = None) -> torch.dtype:
+    """``auto`` → bfloat16 on GPU, float32 on CPU (CPU half-precision matmuls are slow and inexact)."""
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    try:
+        dtype = getattr(torch, name)
+    except AttributeError:
+        dtype = None
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise ValueError(f"unknown dtype {name!r}; use float32, bfloat16, float16 or auto")
+    return dtype

@@ -1,0 +1,208 @@
+"""Block server lifecycle: join the DHT, pick and load a span, serve RPCs, announce, drain on SIGTERM."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import time
+from dataclasses import dataclass, field
+
+import torch
+from hivemind.dht import DHT
+from transformers import AutoConfig
+
+from swarm_client.config import default_dht_prefix
+from swarm_client.dht_records import (
+    PROTOCOL_VERSION,
+    ServerInfo,
+    ServerState,
+    declare_span,
+    fetch_block_records,
+    spans_from_records,
+)
+from swarm_client.families import get_family
+from swarm_client.model_source import resolve_model_path
+from worker.block_selection import choose_best_blocks
+from worker.cache import CacheManager
+from worker.compute import SpanRunner
+from worker.handler import BlockHandler, HandlerLimits
+from worker.loading import load_blocks, resolve_dtype
+from worker.throughput import measure_throughput
+
+logger = logging.getLogger("swarmserve.worker")
+
+
+@dataclass
+class WorkerConfig:
+    model: str
+    initial_peers: list[str] = field(default_factory=list)
+    blocks: tuple[int, int] | None = None
+    num_blocks: int | None = None
+    device: str = "cpu"
+    dtype: str = "auto"
+    cache_tokens: int = 16384
+    session_ttl: float = 300.0
+    idle_timeout: float = 300.0
+    host: str = "127.0.0.1"
+    port: int = 0
+    dht_prefix: str | None = None
+    update_period: float = 5.0
+    expiration: float | None = None
+    drain_timeout: float = 10.0
+    throughput: float | None = None
+    public_name: str | None = None
+    max_sessions_per_peer: int = 256
+
+
+class BlockServer:
+    def __init__(self, cfg: WorkerConfig):
+        self.cfg = cfg
+        self.model_dir = str(resolve_model_path(cfg.model))
+        self.config = AutoConfig.from_pretrained(self.model_dir)
+        self.family = get_family(self.config)
+        self.total_blocks = self.config.num_hidden_layers
+        self.dht_prefix = cfg.dht_prefix or default_dht_prefix(cfg.model)
+        self.device = torch.device(cfg.device)
+        self.dtype = resolve_dtype(cfg.dtype, self.device, self.config)
+        self.expiration = cfg.expiration or max(3 * cfg.update_period, 15.0)
+        self.dht: DHT | None = None
+        self.handler: BlockHandler | None = None
+        self.state = ServerState.JOINING
+        self.start = self.end = 0
+        self.throughput = 1.0
+        self._stop = asyncio.Event()
+
+    # ------------------------------------------------------------------ lifecycle
+    async def run(self) -> None:
+        cfg = self.cfg
+        self.dht = DHT(
+            initial_peers=cfg.initial_peers,
+            host_maddrs=[f"/ip4/{cfg.host}/tcp/{cfg.port}"],
+            start=True,
+            await_ready=True,
+        )
+        self.start, self.end = await asyncio.to_thread(self._choose_span)
+        logger.info("chose blocks %d:%d of %d", self.start, self.end, self.total_blocks)
+        await self._announce(ServerState.JOINING)
+
+        blocks = await asyncio.to_thread(
+            load_blocks, self.model_dir, self.config, self.family, self.start, self.end, self.dtype, self.device
+        )
+        runner = SpanRunner(blocks, self.dtype, self.device)
+        layout = self.family.cache_layout(self.config)
+        caches = CacheManager(
+            cfg.cache_tokens, len(blocks), layout, self.dtype, self.device, cfg.session_ttl, cfg.max_sessions_per_peer
+        )
+        self.throughput = cfg.throughput or await asyncio.to_thread(
+            measure_throughput, runner, self.config.hidden_size, layout, self.dtype, self.device
+        )
+        self.handler = BlockHandler(
+            runner,
+            caches,
+            self.config.hidden_size,
+            self.start,
+            self.end,
+            self._info,
+            HandlerLimits(idle_timeout=cfg.idle_timeout),
+        )
+        p2p = await self.dht.replicate_p2p()
+        await self.handler.add_p2p_handlers(p2p)
+        self.state = ServerState.ONLINE
+        await self._announce(ServerState.ONLINE)
+        maddrs = [str(m) for m in self.dht.get_visible_maddrs()]
+        print(
+            f"swarmserve worker ready: serving blocks {self.start}:{self.end} of {self.total_blocks} "
+            f"({self.dht_prefix}, {self.family.name} family, {self.dtype}, {self.device}) "
+            f"as peer {self.dht.peer_id.to_base58()}; throughput {self.throughput:.1f} tok/s; "
+            f"cache {cfg.cache_tokens} tokens",
+            flush=True,
+        )
+        for maddr in maddrs:
+            print(f"worker maddr: {maddr}", flush=True)
+
+        announcer = asyncio.create_task(self._announce_loop())
+        await self._stop.wait()
+        announcer.cancel()
+        await self._drain()
+
+    def request_stop(self) -> None:
+        self._stop.set()
+
+    async def _drain(self) -> None:
+        """Stop taking sessions, announce OFFLINE, let in-flight streams finish, then leave."""
+        assert self.handler is not None and self.dht is not None
+        self.handler.accepting = False
+        self.state = ServerState.OFFLINE
+        await self._announce(ServerState.OFFLINE, expiration=max(self.expiration, 30.0))
+        print("swarmserve worker: announced OFFLINE, draining", flush=True)
+        deadline = time.monotonic() + self.cfg.drain_timeout
+        while self.handler.active_streams > 0 and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        self.handler.executor.shutdown(wait=False, cancel_futures=True)
+        self.dht.shutdown()
+        print("swarmserve worker: stopped", flush=True)
+
+    # ------------------------------------------------------------------ DHT
+    def _choose_span(self) -> tuple[int, int]:
+        if self.cfg.blocks is not None:
+            start, end = self.cfg.blocks
+            if not 0 <= start < end <= self.total_blocks:
+                raise ValueError(f"--blocks {start}:{end} is outside the model's {self.total_blocks} blocks")
+            return start, end
+        num = self.cfg.num_blocks or self.total_blocks
+        num = min(num, self.total_blocks)
+        records = fetch_block_records(self.dht, self.dht_prefix, self.total_blocks)
+        return choose_best_blocks(num, spans_from_records(records), self.total_blocks)
+
+    def _server_info(self, state: ServerState) -> ServerInfo:
+        tokens_left = self.handler.caches.tokens_left if self.handler else self.cfg.cache_tokens
+        return ServerInfo(
+            state=state,
+            start_block=self.start,
+            end_block=self.end,
+            throughput=float(self.throughput),
+            cache_tokens_left=max(0, tokens_left),
+            version=PROTOCOL_VERSION,
+            dtype=str(self.dtype).removeprefix("torch."),
+            public_name=self.cfg.public_name,
+        )
+
+    async def _announce(self, state: ServerState, expiration: float | None = None) -> None:
+        info = self._server_info(state)
+        ok = await asyncio.to_thread(
+            declare_span, self.dht, self.dht_prefix, self.start, self.end, info, expiration or self.expiration
+        )
+        if not ok:
+            logger.warning("could not store all DHT records (state %s); will retry", state.name)
+
+    async def _announce_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.cfg.update_period)
+            try:
+                await self._announce(self.state)
+            except Exception:
+                logger.exception("announce failed")
+
+    def _info(self) -> dict:
+        return {
+            "version": PROTOCOL_VERSION,
+            "model": self.dht_prefix,
+            "start_block": self.start,
+            "end_block": self.end,
+            "dtype": str(self.dtype).removeprefix("torch."),
+            "device": str(self.device),
+            "state": self.state.name,
+            "throughput": self.throughput,
+        }
+
+
+def run_worker(cfg: WorkerConfig) -> None:
+    async def main() -> None:
+        server = BlockServer(cfg)
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, server.request_stop)
+        await server.run()
+
+    asyncio.run(main())
