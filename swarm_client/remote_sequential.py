@@ -69,7 +69,13 @@ async def _run_span(
         for hop in hops:
             try:
                 (out,) = await _call_stream(
-                    manager, hop.peer_id, "rpc_forward", [x], output_hidden_states=output_hidden_states
+                    manager,
+                    hop.peer_id,
+                    "rpc_forward",
+                    [x],
+                    output_hidden_states=output_hidden_states,
+                    start_block=hop.start,
+                    end_block=hop.end,
                 )
                 expected = (hop.end - hop.start, *x.shape) if output_hidden_states else tuple(x.shape)
                 if tuple(out.shape) != expected or not torch.isfinite(out).all():
@@ -96,7 +102,9 @@ async def _backward_trace(
 ) -> torch.Tensor:
     for hop, inputs in reversed(trace):
         try:
-            (grad,) = await _call_stream(manager, hop.peer_id, "rpc_backward", [inputs, grad])
+            (grad,) = await _call_stream(
+                manager, hop.peer_id, "rpc_backward", [inputs, grad], start_block=hop.start, end_block=hop.end
+            )
         except CALLER_ERRORS:
             raise
         except (PeerError, RemoteError) as e:

@@ -81,7 +81,14 @@ class _ServerSession:
             self._responses = await asyncio.wait_for(stub.rpc_inference(self._requests()), timeout)
         except Exception as e:
             raise PeerError(f"could not open a stream to {self.hop.peer_id}: {e}", self.hop.peer_id) from e
-        spec = {"session_id": self.session_id, "max_length": max_length, "batch_size": batch_size, "resume": resume}
+        spec = {
+            "session_id": self.session_id,
+            "max_length": max_length,
+            "batch_size": batch_size,
+            "resume": resume,
+            "start_block": self.hop.start,
+            "end_block": self.hop.end,
+        }
         _, metadata = await self._exchange(protocol.make_request(open=spec), timeout)
         self.position = int(metadata.get("position", 0))
         return self.position

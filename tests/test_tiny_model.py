@@ -169,7 +169,10 @@ def test_tokenizer_is_deterministic_and_sized() -> None:
 
 
 def test_cli_main(tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert main([str(tmp_path / "m"), "--family", "falcon", "--layers", "1", "--seed", "3", "--hidden", "32"]) == 0
+    assert (
+        main([str(tmp_path / "m"), "--family", "falcon", "--layers", "1", "--seed", "3", "--hidden", "32"])
+        == 0
+    )
     printed = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert printed["family"] == "falcon"
     config = AutoConfig.from_pretrained(tmp_path / "m")

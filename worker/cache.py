@@ -38,6 +38,8 @@ class SessionCache:
     attached: bool = True
     last_used: float = field(default_factory=time.monotonic)
     owner: str | None = None
+    #: which of the server's blocks (relative slice) this session runs through
+    blocks: slice = field(default_factory=lambda: slice(None))
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
     @property
@@ -80,7 +82,9 @@ class CacheManager:
     def bytes_per_slot(self) -> int:
         return self.layout.bytes_per_token(self.dtype) * self.num_layers
 
-    def open(self, session_id: str, batch_size: int, max_length: int, owner: str | None = None) -> SessionCache:
+    def open(
+        self, session_id: str, batch_size: int, max_length: int, owner: str | None = None, num_layers: int | None = None
+    ) -> SessionCache:
         """Register a new attached session (no memory yet beyond the first small chunk)."""
         if session_id in self.sessions:
             raise InvalidInputError(f"session {session_id!r} already exists on this server; resume it instead")
@@ -93,9 +97,8 @@ class CacheManager:
             owned = sum(1 for s in self.sessions.values() if s.owner == owner and s.attached)
             if owned >= self.max_sessions_per_peer:
                 raise CacheExhaustedError(f"too many open sessions from one peer (limit {self.max_sessions_per_peer})")
-        cache = SessionCache(
-            session_id, batch_size, max_length, self.num_layers, self.layout, self.dtype, self.device, owner=owner
-        )
+        layers = self.num_layers if num_layers is None else num_layers
+        cache = SessionCache(session_id, batch_size, max_length, layers, self.layout, self.dtype, self.device, owner=owner)
         self.sessions[session_id] = cache
         try:
             self.ensure_capacity(cache, min(max_length, MIN_CAPACITY))
@@ -127,7 +130,7 @@ class CacheManager:
         self._make_room(extra, exclude=cache)
         shape = (cache.batch_size, self.layout.num_kv_heads, new_capacity, self.layout.head_dim)
         new_kv = []
-        for layer in range(self.num_layers):
+        for layer in range(cache.num_layers):
             k = torch.empty(shape, dtype=self.dtype, device=self.device)
             v = torch.empty(shape, dtype=self.dtype, device=self.device)
             if cache.kv:

@@ -16,12 +16,17 @@ class SpanRunner:
 
     @torch.inference_mode()
     def inference_step(
-        self, cache: SessionCache, hidden: torch.Tensor, position: int, output_hidden_states: bool = False
+        self,
+        cache: SessionCache,
+        hidden: torch.Tensor,
+        position: int,
+        output_hidden_states: bool = False,
+        blocks: slice = slice(None),
     ) -> torch.Tensor:
-        """Run ``hidden`` [B, T, H] at ``position`` through the span, writing keys/values into ``cache``."""
+        """Run ``hidden`` [B, T, H] at ``position`` through ``blocks`` (relative to this span) with ``cache``."""
         x = hidden.to(self.device, self.dtype)
         states = []
-        for block, kv in zip(self.blocks, cache.layer_kv(), strict=True):
+        for block, kv in zip(self.blocks[blocks], cache.layer_kv(), strict=True):
             x = block(x, position, kv)
             if output_hidden_states:
                 states.append(x)
@@ -29,21 +34,23 @@ class SpanRunner:
         return torch.stack(states) if output_hidden_states else x
 
     @torch.inference_mode()
-    def forward(self, hidden: torch.Tensor, output_hidden_states: bool = False) -> torch.Tensor:
+    def forward(
+        self, hidden: torch.Tensor, output_hidden_states: bool = False, blocks: slice = slice(None)
+    ) -> torch.Tensor:
         x = hidden.to(self.device, self.dtype)
         states = []
-        for block in self.blocks:
+        for block in self.blocks[blocks]:
             x = block(x, 0, None)
             if output_hidden_states:
                 states.append(x)
         return torch.stack(states) if output_hidden_states else x
 
-    def backward(self, hidden: torch.Tensor, grad_output: torch.Tensor) -> torch.Tensor:
+    def backward(self, hidden: torch.Tensor, grad_output: torch.Tensor, blocks: slice = slice(None)) -> torch.Tensor:
         """Gradient of ``sum(span(hidden) * grad_output)`` w.r.t. ``hidden`` (recomputes the forward)."""
         with torch.enable_grad():
             x0 = hidden.to(self.device, self.dtype).detach().requires_grad_(True)
             x = x0
-            for block in self.blocks:
+            for block in self.blocks[blocks]:
                 x = block(x, 0, None)
             (grad,) = torch.autograd.grad(x, x0, grad_output.to(self.device, self.dtype))
         return grad

@@ -85,6 +85,17 @@ class BlockHandler(protocol.BlockRPC):
                 raise InvalidInputError("hidden states contain NaN or inf")
         return tensors
 
+    def _blocks(self, metadata: dict) -> tuple[int, int]:
+        """The absolute sub-span ``[start, end)`` a request asks for (default: the whole span)."""
+        start = metadata.get("start_block", self.start)
+        end = metadata.get("end_block", self.end)
+        if not (isinstance(start, int) and isinstance(end, int) and self.start <= start < end <= self.end):
+            raise InvalidInputError(f"blocks {start!r}:{end!r} are not within this server's span {self.start}:{self.end}")
+        return start, end
+
+    def _relative(self, start: int, end: int) -> slice:
+        return slice(start - self.start, end - self.start)
+
     # ---------------------------------------------------------------- info
     async def rpc_info(self, request: runtime_pb2.ExpertUID, context: P2PContext) -> runtime_pb2.ExpertInfo:
         self.caches.expire()
@@ -152,12 +163,15 @@ class BlockHandler(protocol.BlockRPC):
         session_id = str(spec.get("session_id") or uuid.uuid4().hex)
         if spec.get("resume"):
             return self.caches.resume(session_id, owner)
+        start, end = self._blocks(spec)
         batch_size, max_length = spec.get("batch_size", 1), spec.get("max_length")
         if not isinstance(batch_size, int) or not 1 <= batch_size <= self.limits.max_batch_size:
             raise InvalidInputError(f"batch_size must be an int in [1, {self.limits.max_batch_size}], got {batch_size!r}")
         if not isinstance(max_length, int) or max_length < 1:
             raise InvalidInputError(f"max_length must be a positive int, got {max_length!r}")
-        return self.caches.open(session_id, batch_size, max_length, owner=owner)
+        cache = self.caches.open(session_id, batch_size, max_length, owner=owner, num_layers=end - start)
+        cache.blocks = self._relative(start, end)
+        return cache
 
     async def _step(self, cache: SessionCache, tensors: list[torch.Tensor], metadata: dict) -> tuple[torch.Tensor, int]:
         (hidden,) = self._check_hidden(tensors)
@@ -177,7 +191,12 @@ class BlockHandler(protocol.BlockRPC):
             self.caches.ensure_capacity(cache, position + length)
             t0 = time.perf_counter()
             out = await self._compute(
-                self.runner.inference_step, cache, hidden, position, bool(metadata.get("output_hidden_states"))
+                self.runner.inference_step,
+                cache,
+                hidden,
+                position,
+                bool(metadata.get("output_hidden_states")),
+                cache.blocks,
             )
             self.last_step_seconds = time.perf_counter() - t0
         self.tokens_processed += length * hidden.shape[0]
@@ -192,7 +211,8 @@ class BlockHandler(protocol.BlockRPC):
             tensors, metadata = await protocol.gather_message(requests)
             (hidden,) = self._check_hidden(tensors)
             self._check_forward_size(hidden)
-            out = await self._compute(self.runner.forward, hidden, bool(metadata.get("output_hidden_states")))
+            blocks = self._relative(*self._blocks(metadata))
+            out = await self._compute(self.runner.forward, hidden, bool(metadata.get("output_hidden_states")), blocks)
             self.tokens_processed += hidden.shape[0] * hidden.shape[1]
             for message in protocol.split_message([out], {}, runtime_pb2.ExpertResponse, metadata.get("compression", "none")):
                 yield message
@@ -211,7 +231,8 @@ class BlockHandler(protocol.BlockRPC):
             if hidden.shape != grad_output.shape:
                 raise InvalidInputError(f"grad_output shape {tuple(grad_output.shape)} != input {tuple(hidden.shape)}")
             self._check_forward_size(hidden)
-            grad = await self._compute(self.runner.backward, hidden, grad_output)
+            blocks = self._relative(*self._blocks(metadata))
+            grad = await self._compute(self.runner.backward, hidden, grad_output, blocks)
             for message in protocol.split_message([grad], {}, runtime_pb2.ExpertResponse, metadata.get("compression", "none")):
                 yield message
         except (RemoteError, ValueError) as e:

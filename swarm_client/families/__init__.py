@@ -5,9 +5,12 @@ from __future__ import annotations
 from transformers import PretrainedConfig
 
 from swarm_client.families.base import KV, CacheLayout, Family, Head
+from swarm_client.families.bloom import BloomFamily
+from swarm_client.families.falcon import FalconFamily
 from swarm_client.families.llama import LlamaFamily
+from swarm_client.families.mixtral import MixtralFamily
 
-_FAMILIES: list[Family] = [LlamaFamily()]
+_FAMILIES: list[Family] = [LlamaFamily(), MixtralFamily(), FalconFamily(), BloomFamily()]
 
 
 def register_family(family: Family) -> None:

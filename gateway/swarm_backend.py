@@ -1,0 +1,217 @@
+"""``SwarmBackend``: the ``ModelBackend`` protocol (gateway/backend.py) over the swarm.
+
+The gateway process is the *head*: it runs the tokenizer, the embeddings, the final norm and the LM head
+(``swarm_client``'s distributed model); every transformer block runs on the block servers, whose KV caches
+each ``SwarmSession`` holds open through an ``InferenceSession``. ``LocalBackend`` is the reference this
+mirrors — same numbers for the same tokens.
+
+Errors: swarm failures surface as ``swarm_client.errors.SwarmError`` (``NoRouteError`` names the missing
+blocks), which ``gateway.errors`` maps to 503 + Retry-After. ``open_session`` checks that a route exists so
+a request for an uncovered model fails *before* its stream starts; transport errors that escape the client
+library (a dead p2p daemon) are re-raised as ``PeerError`` so they too are a 503, not a 500.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import AutoTokenizer
+
+from swarm_client import runtime
+from swarm_client.config import default_dht_prefix, parse_initial_peers
+from swarm_client.dht_records import ServerState
+from swarm_client.errors import PeerError, SwarmError
+from swarm_client.model import AutoDistributedModelForCausalLM, DistributedModelForCausalLM
+from swarm_client.model_source import resolve_model_path
+from swarm_client.routing import coverage, missing_blocks
+from swarm_client.session import InferenceSession
+
+__all__ = ["SwarmBackend", "SwarmSession"]
+
+
+@contextlib.contextmanager
+def _as_swarm_errors() -> Iterator[None]:
+    """Whatever breaks below the client library (p2p daemon gone, sockets) is the swarm's fault: a 503."""
+    try:
+        yield
+    except (SwarmError, ValueError):
+        raise
+    except (OSError, asyncio.TimeoutError, RuntimeError) as exc:
+        raise PeerError(f"swarm transport failed: {type(exc).__name__}: {exc}") from exc
+
+
+class SwarmSession:
+    """One sequence decoded over the swarm. Not thread-safe: one call at a time (the engine guarantees it)."""
+
+    def __init__(
+        self, backend: SwarmBackend, inner: InferenceSession, max_length: int, session_id: str | None
+    ):
+        self.backend = backend
+        self.inner = inner
+        self.max_length = max_length
+        self.session_id = session_id
+        self.token_ids: list[int] = []
+        self.closed = False
+
+    @property
+    def position(self) -> int:
+        return len(self.token_ids)
+
+    def step(self, token_ids: list[int]) -> torch.Tensor:
+        if self.closed:
+            raise RuntimeError("step() on a closed session")
+        if not token_ids:
+            raise ValueError("step() needs at least one token")
+        if self.position + len(token_ids) > self.max_length:
+            raise ValueError(
+                f"session max_length {self.max_length} exceeded ({self.position} + {len(token_ids)})"
+            )
+        head = self.backend.model.head
+        input_ids = torch.tensor([token_ids], dtype=torch.long)  # [1, T]
+        with torch.inference_mode():
+            hidden = head.embed(input_ids).float()  # [1, T, H]
+            with _as_swarm_errors():
+                out = self.inner.step(hidden, position=self.position)  # [1, T, H]
+            logits = head.final(out[:, -1:].to(hidden.dtype))  # [1, 1, vocab]
+        self.token_ids.extend(token_ids)
+        return logits[0, -1].float()  # [vocab]
+
+    def rollback(self, position: int) -> None:
+        if not 0 <= position <= self.position:
+            raise ValueError(f"cannot roll back to {position} from {self.position}")
+        if position < self.position:
+            self.inner.rollback(position)  # the servers overwrite their caches from here on the next step
+        del self.token_ids[position:]
+
+    def close(self) -> None:
+        """Close every server's stream; the servers free this session's KV cache."""
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            with _as_swarm_errors():
+                self.inner.close()
+        finally:
+            self.backend._forget(self)
+
+
+class SwarmBackend:
+    """A model whose blocks are served by the swarm found through ``initial_peers``.
+
+    ``client_options`` go to ``swarm_client.sequence_manager.ClientConfig`` (``update_period``,
+    ``step_timeout``, ``failover_deadline``…); ``dht`` reuses a running hivemind DHT (``swarmserve up``).
+    """
+
+    def __init__(
+        self,
+        model_path_or_id: str | Path,
+        initial_peers: list[str] | str,
+        *,
+        model_id: str | None = None,
+        dht_prefix: str | None = None,
+        max_context: int | None = None,
+        dtype: torch.dtype = torch.float32,
+        dht: Any = None,
+        **client_options: Any,
+    ):
+        name = str(model_path_or_id)
+        self.model_id = model_id or name
+        self.dht_prefix = dht_prefix or default_dht_prefix(name)
+        self.initial_peers = parse_initial_peers(initial_peers)
+        model_dir = resolve_model_path(name)
+        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        self.model: DistributedModelForCausalLM = AutoDistributedModelForCausalLM.from_pretrained(
+            str(model_dir),
+            self.initial_peers,
+            dht_prefix=self.dht_prefix,
+            dtype=dtype,
+            dht=dht,
+            **client_options,
+        )
+        self.model.name_or_path = name
+        self.generation_config = self.model.generation_config
+        self.max_context = int(max_context or self.model.config.max_position_embeddings)
+        self.num_blocks = int(self.model.config.num_hidden_layers)
+        self._lock = threading.Lock()
+        self._sessions: set[SwarmSession] = set()
+        self._closed = False
+
+    @property
+    def manager(self) -> Any:
+        return self.model.manager
+
+    @property
+    def open_sessions(self) -> int:
+        with self._lock:
+            return len(self._sessions)
+
+    def open_session(self, max_length: int, session_id: str | None = None) -> SwarmSession:
+        """A session whose route is known to exist (else ``NoRouteError``: a 503 before any stream starts)."""
+        if max_length > self.max_context:
+            raise ValueError(f"max_length {max_length} exceeds the context window {self.max_context}")
+        if self._closed:
+            raise PeerError("the gateway's swarm client is shut down")
+        with _as_swarm_errors():
+            # the same call the session's first step makes; it re-reads the DHT once before giving up
+            runtime.run(self.manager.make_route(0, self.num_blocks, cache_tokens_needed=max_length))
+        inner = self.model.blocks.inference_session(max_length, batch_size=1, session_id=session_id)
+        session = SwarmSession(self, inner, max_length, session_id)
+        with self._lock:
+            self._sessions.add(session)
+        return session
+
+    def _forget(self, session: SwarmSession) -> None:
+        with self._lock:
+            self._sessions.discard(session)
+
+    def server_info(self, peer_id: str, timeout: float = 5.0) -> dict:
+        """A server's own report (cache use, sessions, tokens processed): what ``/v1/swarm`` omits."""
+        with _as_swarm_errors():
+            return runtime.run(self.manager.info(peer_id, timeout=timeout))
+
+    def swarm_state(self) -> dict:
+        """A fresh read of the DHT: who serves which blocks, in what state, and which blocks nobody serves."""
+        with _as_swarm_errors():
+            spans = runtime.run(self.manager.update(force=True))
+        rows = []
+        for peer_id, span in sorted(spans.items(), key=lambda kv: (kv[1].start, kv[1].end, kv[0])):
+            info = span.server_info
+            rows.append(
+                {
+                    "peer_id": peer_id,
+                    "start": span.start,
+                    "end": span.end,
+                    "state": ServerState(info.state).name,
+                    "throughput": round(float(info.throughput), 3),
+                    "cache_tokens_left": int(info.cache_tokens_left),
+                    "public_name": info.public_name,
+                }
+            )
+        return {
+            "model": self.model_id,
+            "backend": "swarm",
+            "dht_prefix": self.dht_prefix,
+            "num_blocks": self.num_blocks,
+            "missing_blocks": missing_blocks(spans, self.num_blocks),
+            "spans": rows,
+            "blocks": coverage(spans, self.num_blocks),
+            "open_sessions": self.open_sessions,
+        }
+
+    def close(self) -> None:
+        """Close open sessions (freeing their server caches), then the client's DHT."""
+        if self._closed:
+            return
+        self._closed = True
+        with self._lock:
+            sessions = list(self._sessions)
+        for s in sessions:
+            with contextlib.suppress(Exception):
+                s.close()
+        self.model.shutdown()

@@ -1,0 +1,107 @@
+"""Mixtral: Mistral-shaped attention with a sparse mixture-of-experts MLP, each decoder layer served whole.
+
+The block reuses 🤗's ``MixtralDecoderLayer`` (so routing, top-k renormalisation and the experts kernel are
+exactly 🤗's) and owns only the attention arithmetic, like the Llama family. Two things differ from Llama:
+
+- checkpoints name experts one by one (``block_sparse_moe.experts.{e}.w1/w2/w3.weight``) while the 🤗 module
+  in transformers 5.x holds them fused (``mlp.experts.gate_up_proj`` ``[E, 2I, H]``, ``down_proj`` ``[E, H, I]``);
+  ``build_block`` accepts either naming and fuses the per-expert one the way 🤗's loader does;
+- a config may set ``sliding_window`` (Mistral-style local attention), which the block honours by masking.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import PretrainedConfig
+
+from swarm_client.families.base import KV, causal_mask, load_module, write_kv
+from swarm_client.families.llama import LlamaBlock, LlamaFamily, rotate_half
+
+#: experts kernel 🤗 picks by default in transformers 5.x (it falls back to a plain loop where unsupported)
+EXPERTS_IMPLEMENTATION = "grouped_mm"
+
+
+def window_mask(
+    position: int, num_new: int, total: int, window: int | None, device: torch.device
+) -> torch.Tensor | None:
+    """Causal mask that also hides keys ``window`` or more tokens behind the query (🤗's sliding overlay)."""
+    if window is None or position + num_new <= window:
+        return causal_mask(position, num_new, total, device)  # every key is inside the window
+    query_pos = torch.arange(position, position + num_new, device=device)[:, None]
+    key_pos = torch.arange(total, device=device)[None, :]
+    return (key_pos <= query_pos) & (key_pos > query_pos - window)
+
+
+def fuse_expert_tensors(tensors: dict[str, torch.Tensor], num_experts: int) -> dict[str, torch.Tensor]:
+    """Checkpoint names (``block_sparse_moe.experts.{e}.w1``…) → the fused 🤗 module's names; others unchanged.
+
+    ``gate_up_proj[e] = cat(w1[e], w3[e])`` (gate first, as ``chunk(2)`` in the experts forward expects) and
+    ``down_proj[e] = w2[e]``, the same merge transformers' weight converter performs on load.
+    """
+    prefix = "block_sparse_moe."
+    if not any(name.startswith(prefix) for name in tensors):
+        return dict(tensors)
+    out = {}
+    for name, tensor in tensors.items():
+        if name.startswith(prefix + "experts."):
+            continue
+        out["mlp." + name[len(prefix) :] if name.startswith(prefix) else name] = tensor
+    try:
+        w1, w2, w3 = (
+            [tensors[f"{prefix}experts.{e}.{w}.weight"] for e in range(num_experts)] for w in ("w1", "w2", "w3")
+        )
+    except KeyError as exc:
+        raise ValueError(f"mixtral block: expert tensor {exc} missing from the checkpoint") from exc
+    out["mlp.experts.gate_up_proj"] = torch.stack([torch.cat([g, u], dim=0) for g, u in zip(w1, w3, strict=True)])
+    out["mlp.experts.down_proj"] = torch.stack(w2)
+    return out
+
+
+class MixtralBlock(LlamaBlock):
+    """``LlamaBlock`` whose layer's ``mlp`` is 🤗's sparse MoE, plus an optional sliding attention window."""
+
+    def __init__(self, layer: nn.Module, rotary: nn.Module, sliding_window: int | None):
+        super().__init__(layer, rotary)
+        self.sliding_window = sliding_window
+
+    def forward(self, hidden: torch.Tensor, position: int = 0, kv: KV | None = None) -> torch.Tensor:
+        batch, length, _ = hidden.shape
+        attn = self.layer.self_attn
+        x = self.layer.input_layernorm(hidden)
+        # [B, T, heads * D] → [B, heads, T, D]
+        q = attn.q_proj(x).view(batch, length, -1, self.head_dim).transpose(1, 2)
+        k = attn.k_proj(x).view(batch, length, -1, self.head_dim).transpose(1, 2)
+        v = attn.v_proj(x).view(batch, length, -1, self.head_dim).transpose(1, 2)
+        cos, sin = self.rotary(x, position, length)
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        if kv is not None:
+            k, v = write_kv(kv, position, k, v)  # k/v: [B, Hkv, position + T, D]
+        mask = window_mask(position, length, k.shape[2], self.sliding_window, q.device)
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, scale=self.scaling, enable_gqa=q.shape[1] != k.shape[1]
+        )
+        hidden = hidden + attn.o_proj(out.transpose(1, 2).reshape(batch, length, -1))
+        return hidden + self.layer.mlp(self.layer.post_attention_layernorm(hidden))
+
+
+class MixtralFamily(LlamaFamily):
+    name = "mixtral"
+    model_types = ("mixtral",)
+
+    def build_block(self, config: PretrainedConfig, index: int, tensors: dict[str, torch.Tensor]) -> nn.Module:
+        module = importlib.import_module("transformers.models.mixtral.modeling_mixtral")
+        config = copy.deepcopy(config)
+        if config._experts_implementation is None:
+            # unset, the experts module warns and loops in Python; a loaded 🤗 model would use this kernel
+            config._experts_implementation = EXPERTS_IMPLEMENTATION
+        with torch.device("meta"):
+            layer = module.MixtralDecoderLayer(config, layer_idx=index)
+        load_module(layer, fuse_expert_tensors(tensors, config.num_local_experts), f"block {index}")
+        rotary = module.MixtralRotaryEmbedding(config)
+        return MixtralBlock(layer, rotary, getattr(config, "sliding_window", None)).eval()
