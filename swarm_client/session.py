@@ -115,20 +115,22 @@ class _ServerSession:
         return out
 
     async def close(self, keep: bool = False) -> None:
+        """Tell the server whether to keep the cache, end our side, and let the stream wind down."""
         if self.closed:
             return
         self.closed = True
         if self._responses is not None:
-            try:
-                self._queue.put_nowait(protocol.make_request(close={"keep": keep}))
-            except Exception:
-                pass
+            self._queue.put_nowait(protocol.make_request(close={"keep": keep}))
         self._queue.put_nowait(None)
         if self._responses is not None:
             try:
-                await asyncio.wait_for(self._responses.aclose(), 1.0)
+                await asyncio.wait_for(self._drain(), 2.0)
             except Exception:
-                pass
+                pass  # the server frees the session when the stream breaks anyway
+
+    async def _drain(self) -> None:
+        async for _ in self._responses:
+            pass
 
 
 class HistoryBuffer:

@@ -1,0 +1,216 @@
+"""The gateway over a real swarm: a DHT and two worker processes (blocks 0:2 and 2:4 of a tiny Llama),
+``SwarmBackend`` in this process, real uvicorn, the official OpenAI SDK.
+
+The swarm path must be *exact*: greedy output and logprobs equal what ``LocalBackend`` serves from the
+same checkpoint. A client that hangs up mid-stream must leave no KV cache behind on any server. The last
+test stops one worker, so it runs last and the module's swarm is not reused after it.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+from collections.abc import Iterator
+
+import httpx
+import openai
+import pytest
+from gateway_fixtures import Gateway, start_gateway
+
+from gateway import LocalBackend
+from gateway.swarm_backend import SwarmBackend
+from tests.swarm_fixtures import Swarm, swarm
+
+pytestmark = pytest.mark.slow
+
+HELLO = [{"role": "user", "content": "Tell me about the swarm."}]
+SPANS = ["0:2", "2:4"]
+
+
+@pytest.fixture(scope="module")
+def the_swarm(tiny_llama: str) -> Iterator[Swarm]:
+    # a fixed throughput skips the workers' benchmark (seconds of startup) and makes routing deterministic
+    with swarm(tiny_llama, SPANS, "--throughput", "1000") as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def swarm_gw(the_swarm: Swarm, tiny_llama: str) -> Iterator[Gateway]:
+    backend = SwarmBackend(tiny_llama, [the_swarm.initial_peers], update_period=1.0)
+    gw = start_gateway(backend)
+    yield gw
+    gw.server.stop()
+    backend.close()
+
+
+@pytest.fixture(scope="module")
+def local_gw(tiny_llama: str) -> Iterator[Gateway]:
+    backend = LocalBackend(tiny_llama)
+    gw = start_gateway(backend)
+    yield gw
+    gw.server.stop()
+    backend.close()
+
+
+@pytest.fixture(scope="module")
+def client(swarm_gw: Gateway) -> openai.OpenAI:
+    return swarm_gw.client()
+
+
+def _stream(stream) -> tuple[dict[int, str], dict[int, str], list]:
+    texts: dict[int, str] = {}
+    finishes: dict[int, str] = {}
+    usage = []
+    for chunk in stream:
+        if not chunk.choices:
+            usage.append(chunk.usage)
+        for c in chunk.choices:
+            delta = getattr(c, "delta", None)
+            piece = delta.content if delta is not None else c.text
+            texts[c.index] = texts.get(c.index, "") + (piece or "")
+            if c.finish_reason is not None:
+                assert c.index not in finishes, "finish_reason sent twice"
+                finishes[c.index] = c.finish_reason
+    return texts, finishes, usage
+
+
+def _wait_for(predicate, timeout: float, what: str, interval: float = 0.2):
+    deadline = time.monotonic() + timeout
+    last = None
+    while time.monotonic() < deadline:
+        last = predicate()
+        if last:
+            return last
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what} (last: {last!r})")
+
+
+def test_chat_and_completion(swarm_gw: Gateway, client: openai.OpenAI) -> None:
+    r = client.chat.completions.create(model=swarm_gw.model, messages=HELLO, max_tokens=12, temperature=0)
+    (choice,) = r.choices
+    assert choice.message.role == "assistant"
+    assert choice.finish_reason in ("stop", "length")
+    assert 1 <= r.usage.completion_tokens <= 12
+    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+
+    c = client.completions.create(model=swarm_gw.model, prompt="The swarm is", max_tokens=8, temperature=0)
+    assert c.object == "text_completion"
+    assert c.choices[0].finish_reason in ("stop", "length")
+    assert swarm_gw.backend.open_sessions == 0
+
+
+def test_streamed_equals_non_streamed_with_n_and_usage(swarm_gw: Gateway, client: openai.OpenAI) -> None:
+    kw = dict(model=swarm_gw.model, messages=HELLO, max_tokens=20, temperature=0, n=2)
+    full = client.chat.completions.create(**kw)
+    texts, finishes, usage = _stream(
+        client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kw)
+    )
+    assert [texts[c.index] for c in full.choices] == [c.message.content for c in full.choices]
+    assert [finishes[c.index] for c in full.choices] == [c.finish_reason for c in full.choices]
+    assert full.choices[0].message.content == full.choices[1].message.content  # greedy: n equal copies
+    (u,) = usage
+    assert (u.prompt_tokens, u.completion_tokens) == (full.usage.prompt_tokens, full.usage.completion_tokens)
+
+    ckw = dict(model=swarm_gw.model, prompt=["The swarm is", "A server"], max_tokens=12, temperature=0)
+    cfull = client.completions.create(**ckw)
+    ctexts, _, _ = _stream(client.completions.create(stream=True, **ckw))
+    assert ctexts == {c.index: c.text for c in cfull.choices}
+
+
+def test_greedy_identical_to_local_backend(swarm_gw: Gateway, local_gw: Gateway, client) -> None:
+    local = local_gw.client()
+    kw = dict(messages=HELLO, max_tokens=32, temperature=0, logprobs=True, top_logprobs=2)
+    ours = client.chat.completions.create(model=swarm_gw.model, **kw)
+    ref = local.chat.completions.create(model=local_gw.model, **kw)
+    assert ours.choices[0].message.content == ref.choices[0].message.content
+    assert ours.usage.completion_tokens == ref.usage.completion_tokens
+    ours_lp = [(e.token, e.logprob) for e in ours.choices[0].logprobs.content]
+    ref_lp = [(e.token, e.logprob) for e in ref.choices[0].logprobs.content]
+    assert [t for t, _ in ours_lp] == [t for t, _ in ref_lp]
+    assert [lp for _, lp in ours_lp] == pytest.approx([lp for _, lp in ref_lp], abs=1e-4)
+
+    ckw = dict(prompt="Once upon a time", max_tokens=24, temperature=0)
+    ours_c = client.completions.create(model=swarm_gw.model, **ckw).choices[0].text
+    ref_c = local.completions.create(model=local_gw.model, **ckw).choices[0].text
+    assert ours_c == ref_c
+
+
+def test_health_and_swarm_state(swarm_gw: Gateway, the_swarm: Swarm) -> None:
+    with swarm_gw.http() as http:
+        health = http.get("/health")
+        assert health.status_code == 200, health.text
+        assert health.json()["status"] == "ok"
+        state = http.get("/v1/swarm").json()
+    assert state["backend"] == "swarm"
+    assert state["num_blocks"] == 4
+    assert state["missing_blocks"] == []
+    spans = {s["peer_id"]: s for s in state["spans"]}
+    expected = {w.peer_id: span for w, span in zip(the_swarm.workers, SPANS, strict=True)}
+    assert set(spans) == set(expected)
+    for peer_id, span in expected.items():
+        assert f"{spans[peer_id]['start']}:{spans[peer_id]['end']}" == span
+        assert spans[peer_id]["state"] == "ONLINE"
+        assert spans[peer_id]["cache_tokens_left"] > 0
+    first, second = (w.peer_id for w in the_swarm.workers)
+    assert state["blocks"] == [[first], [first], [second], [second]]
+
+
+def test_client_disconnect_frees_every_server_cache(swarm_gw: Gateway, the_swarm: Swarm) -> None:
+    backend: SwarmBackend = swarm_gw.backend
+    peers = [w.peer_id for w in the_swarm.workers]
+    body = {"model": swarm_gw.model, "messages": HELLO, "max_tokens": 1500, "temperature": 0, "stream": True}
+    with httpx.Client(base_url=swarm_gw.url, timeout=30) as http, http.stream(
+        "POST", "/v1/chat/completions", json=body
+    ) as response:
+        assert response.status_code == 200
+        chunks = 0
+        for line in response.iter_lines():
+            if line.startswith("data: "):
+                chunks += 1
+            if chunks >= 4:
+                break
+        # mid-stream: every server on the route holds this session's cache
+        for peer in peers:
+            info = backend.server_info(peer)
+            assert info["sessions_attached"] == 1, info
+            assert info["cache_tokens_used"] > 0, info
+    # the connection is closed here, long before 1500 tokens
+
+    def all_free() -> list[dict] | None:
+        infos = [backend.server_info(peer) for peer in peers]
+        done = all(i["sessions_attached"] == 0 and i["cache_tokens_used"] == 0 for i in infos)
+        return infos if done else None
+
+    infos = _wait_for(all_free, timeout=20, what="servers to free the abandoned session's cache")
+    assert all(i["sessions_detached"] == 0 for i in infos)
+    assert backend.open_sessions == 0
+    # the stream really stopped: the servers' token counters no longer move
+    counts = [i["tokens_processed"] for i in infos]
+    time.sleep(0.5)
+    assert [backend.server_info(p)["tokens_processed"] for p in peers] == counts
+
+
+def test_missing_span_is_a_503_naming_the_blocks(swarm_gw: Gateway, the_swarm: Swarm) -> None:
+    """Runs last: it stops the worker of blocks 2:4."""
+    the_swarm.workers[1].stop(signal.SIGTERM, timeout=20)
+    with swarm_gw.http() as http:
+        health = _wait_for(
+            lambda: (r := http.get("/health")).status_code == 503 and r, timeout=20, what="/health to be 503"
+        )
+    assert health.json()["missing_blocks"] == [2, 3]
+    assert health.headers["retry-after"]
+
+    client = swarm_gw.client()
+    for call in (
+        lambda: client.chat.completions.create(model=swarm_gw.model, messages=HELLO, max_tokens=4),
+        lambda: client.completions.create(model=swarm_gw.model, prompt="x", max_tokens=4, stream=True),
+    ):
+        with pytest.raises(openai.APIStatusError) as info:
+            call()
+        err = info.value
+        assert err.status_code == 503
+        assert int(err.response.headers["retry-after"]) >= 0
+        payload = err.response.json()["error"]
+        assert payload["code"] == "no_route"
+        assert "2..3" in payload["message"] or "2-3" in payload["message"], payload
+    assert swarm_gw.backend.open_sessions == 0
