@@ -47,6 +47,12 @@ def _add_worker(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--throughput", type=float, default=None, help="announce this tok/s instead of measuring")
     p.add_argument("--torch-threads", type=int, default=None)
     p.add_argument("--public-name", default=None)
+    p.add_argument(
+        "--fault",
+        default=None,
+        metavar="KIND[:AFTER]",
+        help="testing only: misbehave after AFTER inference steps (KIND: nan, hang, wrong-shape)",
+    )
     p.set_defaults(func=_cmd_worker)
 
 
@@ -102,6 +108,7 @@ def _cmd_worker(args: argparse.Namespace, rest: list[str]) -> int:
         update_period=args.update_period,
         throughput=args.throughput,
         public_name=args.public_name,
+        fault=args.fault,
     )
     run_worker(cfg)
     return 0

@@ -150,6 +150,25 @@ def curl_example(base_url: str, model: str) -> str:
 
 
 # ---------------------------------------------------------------------------------------------- workers
+def _parent_death_signal() -> Callable[[], None] | None:
+    """Linux: a child that gets SIGTERM when its parent dies, so even ``kill -9`` of ``swarmserve up``
+    leaves no worker behind (its own session keeps it out of reach of the terminal's Ctrl-C)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    import ctypes
+
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl  # resolved here, not in the forked child
+    except (OSError, AttributeError):
+        return None
+    pr_set_pdeathsig = 1
+
+    def set_signal() -> None:
+        prctl(pr_set_pdeathsig, signal.SIGTERM)
+
+    return set_signal
+
+
 @dataclass
 class WorkerProcess:
     """A ``swarmserve worker`` child in its own session (process group): a terminal's Ctrl-C reaches only
@@ -178,6 +197,7 @@ class WorkerProcess:
             errors="replace",
             env=env,
             start_new_session=True,
+            preexec_fn=_parent_death_signal(),
         )
         proc = cls(name, span, popen, echo)
         threading.Thread(target=proc._read, name=f"{name}-log", daemon=True).start()

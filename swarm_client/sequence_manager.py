@@ -28,6 +28,8 @@ class ClientConfig:
     update_period: float = 5.0
     #: a single inference step (one server) must answer within this
     step_timeout: float = 30.0
+    #: opening a stream to a server (dialing a dead peer must not stall a request for long)
+    connect_timeout: float = 5.0
     #: forward/backward/info calls
     request_timeout: float = 60.0
     #: total time a step may spend failing over before SessionLost / NoRouteError

@@ -269,20 +269,37 @@ class InferenceSession:
 
     async def _open_hops(self, hops: list[RouteHop]) -> list[_ServerSession]:
         opened: list[_ServerSession] = []
-        timeout = self.manager.config.step_timeout
+        timeout = self.manager.config.connect_timeout
         try:
             for hop in hops:
                 session = _ServerSession(self.manager, hop, f"{self.session_id}:{hop.start}:{hop.end}:{uuid.uuid4().hex[:8]}")
                 opened.append(session)
                 await session.open(self.max_length, self.batch_size, resume=False, timeout=timeout)
+                self.manager.bans.report_success(hop.peer_id)
         except BaseException:
             await asyncio.gather(*(s.close() for s in opened), return_exceptions=True)
             raise
         return opened
 
     async def _build_chain(self, index: int, start: int, end: int) -> None:
-        hops = await self.manager.make_route(start, end, cache_tokens_needed=self.max_length * self.batch_size)
-        sessions = await self._open_hops(hops)
+        """Route ``[start, end)`` and open streams, banning servers that fail until the deadline."""
+        deadline = time.monotonic() + self.manager.config.failover_deadline
+        while True:
+            try:
+                hops = await self.manager.make_route(start, end, cache_tokens_needed=self.max_length * self.batch_size)
+                sessions = await self._open_hops(hops)
+                break
+            except CALLER_ERRORS:
+                raise
+            except NoRouteError:
+                if time.monotonic() + 0.5 > deadline:
+                    raise
+                await asyncio.sleep(0.5)
+            except (PeerError, RemoteError) as e:
+                if getattr(e, "peer_id", None):
+                    self.manager.ban(e.peer_id, str(e))
+                if time.monotonic() > deadline:
+                    raise
         self._hops[index:index] = sessions
         self._history[index:index] = [HistoryBuffer() for _ in sessions]
 

@@ -33,20 +33,34 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     # Falcon-7B: old layout, one KV head, attention and MLP in parallel from one layernorm
     "falcon-7b": (
         "falcon",
-        {"new_decoder_architecture": False, "multi_query": True, "parallel_attn": True,
-         "num_ln_in_parallel_attn": None, "num_kv_heads": 4},
+        {
+            "new_decoder_architecture": False,
+            "multi_query": True,
+            "parallel_attn": True,
+            "num_ln_in_parallel_attn": None,
+            "num_kv_heads": 4,
+        },
     ),
     # Falcon-RW: ALiBi, full multi-head attention, sequential attention → MLP, biases
     "falcon-rw": (
         "falcon",
-        {"new_decoder_architecture": False, "multi_query": False, "parallel_attn": False, "alibi": True,
-         "bias": True, "num_ln_in_parallel_attn": None, "num_kv_heads": 4},
+        {
+            "new_decoder_architecture": False,
+            "multi_query": False,
+            "parallel_attn": False,
+            "alibi": True,
+            "bias": True,
+            "num_ln_in_parallel_attn": None,
+            "num_kv_heads": 4,
+        },
     ),
     # Falcon2-11B: new layout with a single layernorm feeding both branches
     "falcon2": ("falcon", {"num_ln_in_parallel_attn": 1}),
     "mixtral-window": ("mixtral", {"sliding_window": 5}),
-    "bloom-tp": ("bloom", {"apply_residual_connection_post_layernorm": True, "pretraining_tp": 2,
-                           "slow_but_exact": True}),
+    "bloom-tp": (
+        "bloom",
+        {"apply_residual_connection_post_layernorm": True, "pretraining_tp": 2, "slow_but_exact": True},
+    ),
 }
 CASES = (*FAMILIES, *VARIANTS)
 
@@ -119,12 +133,17 @@ def case(request, base_dirs, tmp_path_factory) -> Case:
         fam.build_block(
             config,
             i,
-            {k[len(fam.layer_prefix(i)) :]: v.clone() for k, v in sd.items() if k.startswith(fam.layer_prefix(i))},
+            {
+                k[len(fam.layer_prefix(i)) :]: v.clone()
+                for k, v in sd.items()
+                if k.startswith(fam.layer_prefix(i))
+            },
         )
         for i in range(config.num_hidden_layers)
     ]
     head = fam.build_head(
-        config, {k: v.clone() for k, v in sd.items() if any(k.startswith(p) for p in fam.head_prefixes(config))}
+        config,
+        {k: v.clone() for k, v in sd.items() if any(k.startswith(p) for p in fam.head_prefixes(config))},
     )
     return Case(model_dir, hf, config, fam, head, SpanRunner(blocks, torch.float32, CPU))
 
@@ -146,7 +165,9 @@ def test_stateless_logits_match(case: Case) -> None:
 
 
 # the last pattern grows the cache past its first chunk mid-session and runs past the sliding window
-@pytest.mark.parametrize("steps", [[7, 1, 1, 3, 1], [1] * 8, [3, MIN_CAPACITY + 6]], ids=["mixed", "ones", "grow"])
+@pytest.mark.parametrize(
+    "steps", [[7, 1, 1, 3, 1], [1] * 8, [3, MIN_CAPACITY + 6]], ids=["mixed", "ones", "grow"]
+)
 @torch.no_grad()
 def test_cached_session_matches_full_sequence(case: Case, steps: list[int]) -> None:
     ids = _ids(case, 2, sum(steps), seed=1)
@@ -155,7 +176,9 @@ def test_cached_session_matches_full_sequence(case: Case, steps: list[int]) -> N
     start = 0
     for n in steps:
         logits = case.head.final(case.step(manager, cache, ids[:, start : start + n]))
-        torch.testing.assert_close(logits, ref[:, start : start + n], atol=ATOL, rtol=0, msg=f"step at {start}")
+        torch.testing.assert_close(
+            logits, ref[:, start : start + n], atol=ATOL, rtol=0, msg=f"step at {start}"
+        )
         start += n
     assert cache.position == ids.shape[1]
 
@@ -203,7 +226,9 @@ def test_blocks_and_head_from_checkpoint_as_servers_load_them(case: Case) -> Non
     config = AutoConfig.from_pretrained(case.model_dir)
     family = get_family(config)
     blocks = load_blocks(str(case.model_dir), config, family, 0, config.num_hidden_layers, torch.float32, CPU)
-    head = family.build_head(config, load_tensors(case.model_dir, family.head_prefixes(config), dtype=torch.float32))
+    head = family.build_head(
+        config, load_tensors(case.model_dir, family.head_prefixes(config), dtype=torch.float32)
+    )
     ids = _ids(case, 2, 11, seed=4)
     ours = head.final(SpanRunner(blocks, torch.float32, CPU).forward(head.embed(ids)))
     torch.testing.assert_close(ours, case.hf(ids).logits, atol=ATOL, rtol=0)

@@ -159,9 +159,10 @@ def test_client_disconnect_frees_every_server_cache(swarm_gw: Gateway, the_swarm
     backend: SwarmBackend = swarm_gw.backend
     peers = [w.peer_id for w in the_swarm.workers]
     body = {"model": swarm_gw.model, "messages": HELLO, "max_tokens": 1500, "temperature": 0, "stream": True}
-    with httpx.Client(base_url=swarm_gw.url, timeout=30) as http, http.stream(
-        "POST", "/v1/chat/completions", json=body
-    ) as response:
+    with (
+        httpx.Client(base_url=swarm_gw.url, timeout=30) as http,
+        http.stream("POST", "/v1/chat/completions", json=body) as response,
+    ):
         assert response.status_code == 200
         chunks = 0
         for line in response.iter_lines():

@@ -59,6 +59,9 @@ class BlockHandler(protocol.BlockRPC):
         self.limits = limits or HandlerLimits()
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="compute")
         self.accepting = True
+        #: test-only fault injection: "nan", "hang" or "wrong-shape" after ``fault_after`` inference steps
+        self.fault: str | None = None
+        self.fault_after = 0
         self.tokens_processed = 0
         self.inference_steps = 0
         self.active_streams = 0
@@ -201,7 +204,19 @@ class BlockHandler(protocol.BlockRPC):
             self.last_step_seconds = time.perf_counter() - t0
         self.tokens_processed += length * hidden.shape[0]
         self.inference_steps += 1
+        if self.fault is not None and self.inference_steps > self.fault_after:
+            out = await self._inject_fault(out)
         return out, cache.position
+
+    async def _inject_fault(self, out: torch.Tensor) -> torch.Tensor:
+        """Misbehave on purpose (``--fault``) so clients' failover can be tested against a real process."""
+        if self.fault == "nan":
+            return torch.full_like(out, float("nan"))
+        if self.fault == "wrong-shape":
+            return out[..., :-1]
+        if self.fault == "hang":
+            await asyncio.Event().wait()
+        return out
 
     # ---------------------------------------------------------------- forward / backward
     async def rpc_forward(

@@ -53,6 +53,8 @@ class WorkerConfig:
     throughput: float | None = None
     public_name: str | None = None
     max_sessions_per_peer: int = 256
+    #: test-only: "KIND[:AFTER_STEPS]" with KIND in nan, hang, wrong-shape
+    fault: str | None = None
 
 
 class BlockServer:
@@ -106,6 +108,10 @@ class BlockServer:
             self._info,
             HandlerLimits(idle_timeout=cfg.idle_timeout),
         )
+        if cfg.fault:
+            kind, _, after = cfg.fault.partition(":")
+            self.handler.fault, self.handler.fault_after = kind, int(after or 0)
+            logger.warning("FAULT INJECTION ENABLED: %s after %s steps (testing only)", kind, after or 0)
         p2p = await self.dht.replicate_p2p()
         await self.handler.add_p2p_handlers(p2p)
         self.state = ServerState.ONLINE

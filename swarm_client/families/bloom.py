@@ -130,7 +130,9 @@ class BloomFamily:
     def cache_layout(self, config: PretrainedConfig) -> CacheLayout:
         return CacheLayout(config.n_head, config.hidden_size // config.n_head)
 
-    def build_block(self, config: PretrainedConfig, index: int, tensors: dict[str, torch.Tensor]) -> nn.Module:
+    def build_block(
+        self, config: PretrainedConfig, index: int, tensors: dict[str, torch.Tensor]
+    ) -> nn.Module:
         config = copy.deepcopy(config)
         with torch.device("meta"):
             layer = _modeling().BloomBlock(config, layer_idx=index)

@@ -42,9 +42,15 @@ def num_kv_heads(config: PretrainedConfig) -> int:
 
 
 def alibi_bias(
-    num_heads: int, head_dim: int, position: int, num_new: int, total: int, dtype: torch.dtype, device: torch.device
+    num_heads: int,
+    head_dim: int,
+    position: int,
+    num_new: int,
+    total: int,
+    dtype: torch.dtype,
+    device: torch.device,
 ) -> torch.Tensor:
-    """Additive scores bias ``[1, H, T, total]`` (``T`` may broadcast), built as 🤗 Falcon builds its SDPA mask.
+    """Additive scores bias ``[1, H, T, total]`` (``T`` may broadcast), as 🤗 Falcon builds its SDPA mask.
 
     ALiBi over absolute key positions ``0..total-1`` divided by ``sqrt(head_dim)``, causal positions filled
     with the dtype's minimum.
@@ -162,7 +168,9 @@ class FalconFamily:
     def cache_layout(self, config: PretrainedConfig) -> CacheLayout:
         return CacheLayout(num_kv_heads(config), config.hidden_size // config.num_attention_heads)
 
-    def build_block(self, config: PretrainedConfig, index: int, tensors: dict[str, torch.Tensor]) -> nn.Module:
+    def build_block(
+        self, config: PretrainedConfig, index: int, tensors: dict[str, torch.Tensor]
+    ) -> nn.Module:
         module = _modeling()
         # the layer picks its attention class by this name and writes num_ln_in_parallel_attn into its config
         config = copy.deepcopy(config)

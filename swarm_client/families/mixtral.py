@@ -3,8 +3,9 @@
 The block reuses 🤗's ``MixtralDecoderLayer`` (so routing, top-k renormalisation and the experts kernel are
 exactly 🤗's) and owns only the attention arithmetic, like the Llama family. Two things differ from Llama:
 
-- checkpoints name experts one by one (``block_sparse_moe.experts.{e}.w1/w2/w3.weight``) while the 🤗 module
-  in transformers 5.x holds them fused (``mlp.experts.gate_up_proj`` ``[E, 2I, H]``, ``down_proj`` ``[E, H, I]``);
+- checkpoints name experts one by one (``block_sparse_moe.experts.{e}.w1/w2/w3.weight``) while the 🤗
+  module in transformers 5.x holds them fused (``mlp.experts.gate_up_proj`` ``[E, 2I, H]``, ``down_proj``
+  ``[E, H, I]``);
   ``build_block`` accepts either naming and fuses the per-expert one the way 🤗's loader does;
 - a config may set ``sliding_window`` (Mistral-style local attention), which the block honours by masking.
 """
@@ -38,7 +39,7 @@ def window_mask(
 
 
 def fuse_expert_tensors(tensors: dict[str, torch.Tensor], num_experts: int) -> dict[str, torch.Tensor]:
-    """Checkpoint names (``block_sparse_moe.experts.{e}.w1``…) → the fused 🤗 module's names; others unchanged.
+    """Checkpoint names (``block_sparse_moe.experts.{e}.w1``…) → the fused 🤗 module's; others unchanged.
 
     ``gate_up_proj[e] = cat(w1[e], w3[e])`` (gate first, as ``chunk(2)`` in the experts forward expects) and
     ``down_proj[e] = w2[e]``, the same merge transformers' weight converter performs on load.
@@ -53,11 +54,14 @@ def fuse_expert_tensors(tensors: dict[str, torch.Tensor], num_experts: int) -> d
         out["mlp." + name[len(prefix) :] if name.startswith(prefix) else name] = tensor
     try:
         w1, w2, w3 = (
-            [tensors[f"{prefix}experts.{e}.{w}.weight"] for e in range(num_experts)] for w in ("w1", "w2", "w3")
+            [tensors[f"{prefix}experts.{e}.{w}.weight"] for e in range(num_experts)]
+            for w in ("w1", "w2", "w3")
         )
     except KeyError as exc:
         raise ValueError(f"mixtral block: expert tensor {exc} missing from the checkpoint") from exc
-    out["mlp.experts.gate_up_proj"] = torch.stack([torch.cat([g, u], dim=0) for g, u in zip(w1, w3, strict=True)])
+    out["mlp.experts.gate_up_proj"] = torch.stack(
+        [torch.cat([g, u], dim=0) for g, u in zip(w1, w3, strict=True)]
+    )
     out["mlp.experts.down_proj"] = torch.stack(w2)
     return out
 
@@ -94,7 +98,9 @@ class MixtralFamily(LlamaFamily):
     name = "mixtral"
     model_types = ("mixtral",)
 
-    def build_block(self, config: PretrainedConfig, index: int, tensors: dict[str, torch.Tensor]) -> nn.Module:
+    def build_block(
+        self, config: PretrainedConfig, index: int, tensors: dict[str, torch.Tensor]
+    ) -> nn.Module:
         module = importlib.import_module("transformers.models.mixtral.modeling_mixtral")
         config = copy.deepcopy(config)
         if config._experts_implementation is None:

@@ -1,0 +1,259 @@
+"""``swarmserve up`` / ``gateway`` / ``status`` as a user runs them: real subprocesses, real ports.
+
+One ``swarmserve up`` (tiny Llama, two workers) serves the whole module; the last test sends it SIGINT
+and checks that every process it started — workers, their DHT processes and p2pd daemons, its own DHT —
+is gone. The pure helpers (span splitting, the status table) get fast tests of their own.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import openai
+import psutil
+import pytest
+
+from gateway.cli_gateway import render_status, split_blocks
+from swarm_client.dht_records import RemoteSpanInfo, ServerInfo, ServerState
+
+HELLO = [{"role": "user", "content": "Hello, swarm!"}]
+URL_LINE = re.compile(r"OpenAI base URL: (http://\S+/v1)")
+START_TIMEOUT = 180.0
+
+
+# ------------------------------------------------------------------------------------------- helpers
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ, PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    env.setdefault("OMP_NUM_THREADS", "1")
+    return env
+
+
+@dataclass
+class Cli:
+    """A ``swarmserve`` subprocess in its own process group, its output collected line by line."""
+
+    popen: subprocess.Popen
+    lines: list[str] = field(default_factory=list)
+    _q: queue.Queue = field(default_factory=queue.Queue)
+
+    @classmethod
+    def start(cls, *args: str) -> Cli:
+        popen = subprocess.Popen(
+            [sys.executable, "-m", "gateway.cli", *args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            text=True,
+            env=_env(),
+            start_new_session=True,
+        )
+        cli = cls(popen)
+        threading.Thread(target=cli._read, daemon=True).start()
+        return cli
+
+    def _read(self) -> None:
+        assert self.popen.stdout is not None
+        for line in self.popen.stdout:
+            self.lines.append(line.rstrip("\n"))
+            self._q.put(line.rstrip("\n"))
+        self._q.put(None)
+
+    def wait_for(self, pattern: re.Pattern[str], timeout: float) -> re.Match[str]:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                line = self._q.get(timeout=max(0.01, deadline - time.monotonic()))
+            except queue.Empty:
+                break
+            if line is None:
+                raise AssertionError(
+                    f"exited ({self.popen.poll()}) before {pattern.pattern!r}:\n{self.output}"
+                )
+            if m := pattern.search(line):
+                return m
+        raise AssertionError(f"no {pattern.pattern!r} within {timeout}s:\n{self.output}")
+
+    @property
+    def output(self) -> str:
+        return "\n".join(self.lines[-60:])
+
+    def kill_group(self) -> None:
+        try:
+            os.killpg(self.popen.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.popen.wait(10)
+
+
+def _run(*args: str, timeout: float = 60.0) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "gateway.cli", *args],
+        capture_output=True,
+        text=True,
+        env=_env(),
+        timeout=timeout,
+    )
+
+
+# ------------------------------------------------------------------------------------------- pure parts
+def test_split_blocks_is_even_and_contiguous() -> None:
+    assert split_blocks(4, 2) == [(0, 2), (2, 4)]
+    assert split_blocks(30, 4) == [(0, 8), (8, 16), (16, 23), (23, 30)]
+    assert split_blocks(3, 5) == [(0, 1), (1, 2), (2, 3)]  # never an empty span
+    with pytest.raises(ValueError):
+        split_blocks(4, 0)
+
+
+def _span(peer: str, start: int, end: int, state: ServerState = ServerState.ONLINE) -> RemoteSpanInfo:
+    info = ServerInfo(state=state, start_block=start, end_block=end, throughput=12.5, cache_tokens_left=999)
+    return RemoteSpanInfo(peer, start, end, info)
+
+
+def test_render_status_flags_gaps() -> None:
+    spans = {"peerA": _span("peerA", 0, 3), "peerB": _span("peerB", 3, 5, ServerState.JOINING)}
+    text, missing = render_status("m", 6, spans)
+    assert missing == [3, 4, 5]
+    assert "NOT COVERED: blocks 3..5" in text
+    assert "peerA" in text and "JOINING" in text and "999" in text
+    row_a = next(line for line in text.splitlines() if line.startswith("peerA"))
+    assert row_a.endswith("███···")
+
+    text, missing = render_status("m", 3, {"peerA": spans["peerA"]})
+    assert missing == [] and "fully covered" in text
+
+
+# ------------------------------------------------------------------------------------------- swarmserve up
+@dataclass
+class Up:
+    cli: Cli
+    base_url: str
+    dht_maddr: str
+    model_dir: str
+
+
+@pytest.fixture(scope="module")
+def up(tiny_llama: str) -> Iterator[Up]:
+    port = _free_port()
+    cli = Cli.start(
+        "up",
+        "--model",
+        tiny_llama,
+        "--workers",
+        "2",
+        "--port",
+        str(port),
+        "--throughput",
+        "1000",
+        "--grace",
+        "10",
+    )
+    try:
+        dht = cli.wait_for(re.compile(r"DHT at (\S+)"), START_TIMEOUT).group(1)
+        base_url = cli.wait_for(URL_LINE, START_TIMEOUT).group(1)
+        assert base_url == f"http://127.0.0.1:{port}/v1"
+        cli.wait_for(re.compile(r"curl -N "), 5)
+        yield Up(cli, base_url, dht, tiny_llama)
+    finally:
+        if cli.popen.poll() is None:  # the last test did not get to stop it: still stop it cleanly
+            cli.popen.send_signal(signal.SIGINT)
+            try:
+                cli.popen.wait(60)
+            except subprocess.TimeoutExpired:
+                pass
+        cli.kill_group()
+
+
+def test_up_serves_the_openai_api(up: Up) -> None:
+    client = openai.OpenAI(base_url=up.base_url, api_key="x", timeout=30, max_retries=0)
+    r = client.chat.completions.create(model="tiny-llama", messages=HELLO, max_tokens=8, temperature=0)
+    assert r.choices[0].finish_reason in ("stop", "length")
+    assert 1 <= r.usage.completion_tokens <= 8
+    streamed = "".join(
+        c.choices[0].delta.content or ""
+        for c in client.chat.completions.create(
+            model="tiny-llama", messages=HELLO, max_tokens=8, temperature=0, stream=True
+        )
+        if c.choices
+    )
+    assert streamed == r.choices[0].message.content
+    health = httpx.get(up.base_url.removesuffix("/v1") + "/health", timeout=10)
+    assert health.status_code == 200 and health.json()["num_blocks"] == 4
+
+
+def test_status_against_a_running_swarm(up: Up) -> None:
+    ok = _run("status", "--initial-peers", up.dht_maddr, "--model", up.model_dir)
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+    assert "fully covered" in ok.stdout
+    rows = [line.split() for line in ok.stdout.splitlines() if re.search(r" \d+:\d+ +ONLINE ", line)]
+    assert sorted(row[1] for row in rows) == ["0:2", "2:4"], ok.stdout
+
+    # claim the model has 6 blocks: 4 and 5 have no server
+    gap = _run("status", "--initial-peers", up.dht_maddr, "--dht-prefix", "tiny-llama", "--num-blocks", "6")
+    assert gap.returncode == 1, gap.stdout + gap.stderr
+    assert "NOT COVERED: blocks 4..5" in gap.stdout
+
+
+def test_gateway_command_joins_the_swarm(up: Up) -> None:
+    port = _free_port()
+    gw = Cli.start("gateway", "--model", up.model_dir, "--initial-peers", up.dht_maddr, "--port", str(port))
+    try:
+        base_url = gw.wait_for(URL_LINE, START_TIMEOUT).group(1)
+        assert base_url == f"http://127.0.0.1:{port}/v1"
+        client = openai.OpenAI(base_url=base_url, api_key="x", timeout=30, max_retries=0)
+        text = client.completions.create(model="tiny-llama", prompt="The swarm", max_tokens=6, temperature=0)
+        via_up = openai.OpenAI(base_url=up.base_url, api_key="x", timeout=30, max_retries=0)
+        same = via_up.completions.create(model="tiny-llama", prompt="The swarm", max_tokens=6, temperature=0)
+        assert text.choices[0].text == same.choices[0].text
+        gw.popen.send_signal(signal.SIGTERM)
+        assert gw.popen.wait(30) == 0, gw.output
+    finally:
+        gw.kill_group()
+
+
+def test_sigint_stops_every_process_it_started(up: Up) -> None:
+    """Runs last: stops the module's ``up``."""
+    parent = psutil.Process(up.cli.popen.pid)
+    descendants = parent.children(recursive=True)
+    names = sorted(p.name() for p in descendants)
+    assert sum("p2pd" in n for n in names) >= 3, names  # ours + one per worker
+    assert len(descendants) >= 2 + 3  # two workers, their DHT processes, daemons, our DHT process
+
+    up.cli.popen.send_signal(signal.SIGINT)
+    assert up.cli.popen.wait(60) == 0, up.cli.output
+    gone, alive = psutil.wait_procs(descendants, timeout=30)
+    assert not alive, f"orphans: {[(p.pid, p.name()) for p in alive]}\n{up.cli.output}"
+    assert "swarmserve up: stopped" in up.cli.output
+
+
+def test_up_reports_a_worker_that_dies(tmp_path: Path, tiny_llama: str) -> None:
+    broken = tmp_path / "no-weights"
+    broken.mkdir()
+    for f in Path(tiny_llama).iterdir():
+        if not f.name.endswith(".safetensors") and f.is_file():
+            shutil.copy(f, broken / f.name)
+    cli = Cli.start("up", "--model", str(broken), "--workers", "1", "--port", "0", "--throughput", "1000")
+    try:
+        assert cli.popen.wait(START_TIMEOUT) == 1, cli.output
+    finally:
+        cli.kill_group()
+    time.sleep(0.2)
+    assert "exited with code" in cli.output and "its last lines" in cli.output, cli.output

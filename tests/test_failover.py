@@ -1,0 +1,116 @@
+"""Fault injection against real worker processes: SIGKILL, NaN, wrong shapes, hangs, missing spans."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from swarm_client import AutoDistributedModelForCausalLM, NoRouteError
+from swarm_client import runtime
+from tests.swarm_fixtures import Swarm
+
+pytestmark = pytest.mark.slow
+
+PROMPT = torch.tensor([[3, 14, 15, 92, 65]])
+NEW_TOKENS = 40
+
+
+@pytest.fixture(scope="module")
+def reference(local_llama):
+    return local_llama.generate(PROMPT, max_new_tokens=NEW_TOKENS, do_sample=False)[0, PROMPT.shape[1] :].tolist()
+
+
+def greedy_with_hook(model, hook, max_length=64) -> tuple[list[int], object]:
+    """A custom greedy loop inside one session; ``hook(step, session)`` runs before each decode step."""
+    tokens = []
+    with model.inference_session(max_length=max_length) as session:
+        logits = model(PROMPT, session=session).logits
+        for step in range(NEW_TOKENS):
+            token = logits[:, -1].argmax(-1, keepdim=True)
+            tokens.append(int(token))
+            if step + 1 < NEW_TOKENS:
+                hook(step + 1, session)
+                logits = model(token, session=session).logits
+    return tokens, session
+
+
+@pytest.fixture(scope="module")
+def kill_swarm(tiny_llama):
+    s = Swarm(tiny_llama)
+    try:
+        for span in ("0:1", "1:3", "3:4", "1:3"):
+            s.add_worker(blocks=span)
+        model = AutoDistributedModelForCausalLM.from_pretrained(
+            tiny_llama, initial_peers=[s.initial_peers], update_period=0.5, failover_deadline=20
+        )
+        yield s, model
+        model.shutdown()
+    finally:
+        s.close()
+
+
+def worker_by_peer(s: Swarm, peer_id: str):
+    return next(w for w in s.workers if getattr(w, "peer_id", None) == peer_id)
+
+
+@pytest.mark.parametrize("kill_at", [5, 15, 25])
+def test_sigkill_middle_server_mid_generation_keeps_greedy_output(kill_swarm, reference, kill_at):
+    s, model = kill_swarm
+    killed = {}
+
+    def hook(step, session):
+        if step == kill_at:
+            middle = next(h for h in session.route if h.start <= 1 < h.end)
+            worker_by_peer(s, middle.peer_id).kill()
+            killed["peer"] = middle.peer_id
+
+    tokens, session = greedy_with_hook(model, hook)
+    assert tokens == reference
+    assert session.failovers >= 1
+    assert killed["peer"] not in {h.peer_id for h in session.route}
+    s.add_worker(blocks="1:3")  # a fresh spare for the next kill
+
+
+def test_all_replicas_of_a_span_gone_names_the_missing_blocks(kill_swarm):
+    s, model = kill_swarm
+    for worker in s.workers:
+        if worker.popen.poll() is None and "serving blocks 3:4" in " ".join(worker.lines):
+            worker.kill()
+    t0 = time.monotonic()
+    with pytest.raises(NoRouteError, match="block 3") as info:
+        model.generate(PROMPT, max_new_tokens=3)
+    assert info.value.missing_blocks == [3]
+    assert time.monotonic() - t0 < 30
+
+
+@pytest.fixture(scope="module")
+def faulty_swarm(tiny_llama):
+    """Faulty servers announce huge throughput so routing prefers them; healthy replicas stand by."""
+    s = Swarm(tiny_llama)
+    try:
+        s.add_worker(blocks="0:2")
+        s.add_worker(blocks="2:4")
+        yield s
+    finally:
+        s.close()
+
+
+@pytest.mark.parametrize("fault", ["nan:3", "wrong-shape:3", "hang:3"])
+def test_misbehaving_server_is_detected_and_routed_around(faulty_swarm, tiny_llama, reference, fault):
+    s = faulty_swarm
+    bad = s.add_worker("--fault", fault, "--throughput", "1e9", blocks="0:2")
+    model = AutoDistributedModelForCausalLM.from_pretrained(
+        tiny_llama, initial_peers=[s.initial_peers], step_timeout=3.0, failover_deadline=30
+    )
+    try:
+        runtime.run(model.manager.update(force=True))
+        tokens, session = greedy_with_hook(model, lambda step, session: None)
+        assert tokens == reference
+        assert session.failovers == 1
+        assert bad.peer_id not in {h.peer_id for h in session.route}
+        assert model.manager.bans.is_banned(bad.peer_id)
+    finally:
+        model.shutdown()
+        bad.kill()
