@@ -101,10 +101,23 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
     # ------------------------------------------------------------------ sessions
     @contextlib.contextmanager
     def inference_session(
-        self, max_length: int, batch_size: int = 1, session_id: str | None = None, keep_on_close: bool = False
+        self,
+        max_length: int = 0,
+        batch_size: int = 1,
+        session_id: str | None = None,
+        keep_on_close: bool = False,
+        resume_state: dict | None = None,
     ) -> Iterator[InferenceSession]:
-        """Open a session whose KV caches live on the servers; forward/generate inside it use it."""
-        session = self.blocks.inference_session(max_length, batch_size, session_id, keep_on_close)
+        """Open a session whose KV caches live on the servers; forward/generate inside it use it.
+
+        ``keep_on_close=True`` leaves the caches on the servers (for their session TTL) after the block;
+        ``resume_state`` (from ``session.export_state()``) re-attaches to such caches, e.g. in the next
+        chat turn — raising ``SessionNotFoundError`` if they are gone.
+        """
+        if resume_state is not None:
+            session = InferenceSession.resume(self.manager, resume_state, keep_on_close)
+        else:
+            session = self.blocks.inference_session(max_length, batch_size, session_id, keep_on_close)
         previous, self._active_session = self._active_session, session
         try:
             yield session

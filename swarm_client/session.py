@@ -134,11 +134,16 @@ class _ServerSession:
 
 
 class HistoryBuffer:
-    """The hidden states sent to one hop, ``[B, length, H]``, appended in chunks (no quadratic copying)."""
+    """The hidden states sent to one hop, ``[B, length, H]``, appended in chunks (no quadratic copying).
 
-    def __init__(self) -> None:
+    A session resumed from another request starts with an *unknown* prefix (the inputs were sent by
+    someone else); such a hop can be extended but not replayed, so its failure ends the session.
+    """
+
+    def __init__(self, unknown_prefix: int = 0) -> None:
         self.chunks: list[torch.Tensor] = []
-        self.length = 0
+        self.unknown = unknown_prefix
+        self.length = unknown_prefix
 
     def write(self, position: int, x: torch.Tensor) -> None:
         self.truncate(position)
@@ -150,7 +155,10 @@ class HistoryBuffer:
     def truncate(self, position: int) -> None:
         if position >= self.length:
             return
-        kept, total = [], 0
+        if position <= self.unknown:
+            self.chunks, self.unknown, self.length = [], position, position
+            return
+        kept, total = [], self.unknown
         for chunk in self.chunks:
             if total + chunk.shape[1] <= position:
                 kept.append(chunk)
@@ -158,13 +166,17 @@ class HistoryBuffer:
             else:
                 if position > total:
                     kept.append(chunk[:, : position - total])
-                total = position
                 break
         self.chunks, self.length = kept, position
 
     def read(self, position: int) -> torch.Tensor | None:
-        if position == 0 or not self.chunks:
+        if position == 0:
             return None
+        if self.unknown > 0:
+            raise SessionLost(
+                f"a server of a resumed session failed and its first {self.unknown} inputs are not known here; "
+                "start a new session (re-prefill)"
+            )
         return torch.cat(self.chunks, dim=1)[:, :position]
 
 
@@ -332,8 +344,8 @@ class InferenceSession:
     async def _replace_hop(self, index: int, position: int, error: Exception, deadline: float) -> None:
         """Ban the failed server, route its span anew, replay the span's history into the replacement."""
         failed = self._hops[index]
-        replay_input = self._history[index].read(position)
         self.manager.ban(failed.hop.peer_id, str(error))
+        replay_input = self._history[index].read(position)
         await failed.close()
         del self._hops[index]
         del self._history[index]
@@ -383,6 +395,59 @@ class InferenceSession:
         )
         self._hops[index:index] = sessions
         self._history[index:index] = histories
+
+    # ------------------------------------------------------------------ resuming across requests
+    def export_state(self) -> dict:
+        """What another request (or gateway replica) needs to resume this session's server-side caches."""
+        return {
+            "session_id": self.session_id,
+            "position": self.position,
+            "max_length": self.max_length,
+            "batch_size": self.batch_size,
+            "start": self.start,
+            "end": self.end,
+            "hops": [
+                {"peer_id": h.hop.peer_id, "start": h.hop.start, "end": h.hop.end, "server_session_id": h.session_id}
+                for h in self._hops
+            ],
+            "token_ids": [list(c) for c in self.token_ids],
+        }
+
+    @classmethod
+    async def aresume(cls, manager: SequenceManager, state: dict, keep_on_close: bool = True) -> InferenceSession:
+        """Re-attach to the caches a previous session left on its servers (``keep_on_close=True``).
+
+        Raises ``SessionNotFoundError`` if any server no longer holds the expected prefix; the caller then
+        starts a fresh session.
+        """
+        session = cls(
+            manager,
+            state["start"],
+            state["end"],
+            state["max_length"],
+            state["batch_size"],
+            state["session_id"],
+            keep_on_close,
+        )
+        position = int(state["position"])
+        hops = [_ServerSession(manager, RouteHop(h["peer_id"], h["start"], h["end"]), h["server_session_id"]) for h in state["hops"]]
+        try:
+            for hop in hops:
+                held = await hop.open(session.max_length, session.batch_size, resume=True, timeout=manager.config.connect_timeout)
+                if held < position:
+                    raise SessionNotFoundError(f"server {hop.hop.peer_id} holds {held} tokens, expected {position}")
+        except BaseException:
+            await asyncio.gather(*(h.close(keep=True) for h in hops), return_exceptions=True)
+            raise
+        session._hops = hops
+        session._history = [HistoryBuffer(unknown_prefix=position) for _ in hops]
+        session.position = position
+        session.token_ids = [tuple(c) for c in state.get("token_ids", [])][:position]
+        return session
+
+    @classmethod
+    def resume(cls, manager: SequenceManager, state: dict, keep_on_close: bool = True) -> InferenceSession:
+        return runtime.run(cls.aresume(manager, state, keep_on_close))
 
     @property
     def route(self) -> list[RouteHop]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from swarm_client import AutoDistributedModelForCausalLM
+from swarm_client import AutoDistributedModelForCausalLM, SessionNotFoundError, runtime
 from tests.swarm_fixtures import swarm
 
 pytestmark = pytest.mark.slow
@@ -133,3 +133,29 @@ def test_backward_through_remote_blocks_matches_local_autograd(dist, local_llama
     ref_loss.backward()
     torch.testing.assert_close(loss, ref_loss, atol=ATOL, rtol=0)
     torch.testing.assert_close(ours_in.grad, ref_in.grad, atol=ATOL, rtol=0)
+
+
+def test_session_kept_on_servers_resumes_in_a_later_request(dist, local_llama):
+    ids = prompt(local_llama, 6, seed=11)
+    with dist.inference_session(max_length=64, keep_on_close=True) as first:
+        out = dist.generate(ids, max_new_tokens=5, do_sample=False)
+        state = first.export_state()
+    tokens_before = sum(
+        runtime.run(dist.manager.info(h["peer_id"]))["tokens_processed"] for h in state["hops"]
+    )
+    with dist.inference_session(resume_state=state, keep_on_close=True) as second:
+        assert second.position == state["position"]
+        out = dist.generate(out, max_new_tokens=5, do_sample=False)
+    tokens_after = sum(runtime.run(dist.manager.info(h["peer_id"]))["tokens_processed"] for h in state["hops"])
+    # only the last token of turn 1 and the 4 fed tokens of turn 2 were processed (5 per server)
+    assert tokens_after - tokens_before == 5 * len(state["hops"])
+    assert out.tolist() == local_llama.generate(ids, max_new_tokens=10, do_sample=False).tolist()
+
+
+def test_resuming_an_unknown_session_is_not_found(dist):
+    state = {
+        "session_id": "gone", "position": 3, "max_length": 16, "batch_size": 1, "start": 0, "end": 4,
+        "hops": [{"peer_id": w.peer_id, "start": 0, "end": 4, "server_session_id": "nope"} for w in dist.swarm.workers[:1]],
+    }
+    with pytest.raises(SessionNotFoundError), dist.inference_session(resume_state=state):
+        pass
