@@ -48,6 +48,18 @@ def _add_worker(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--torch-threads", type=int, default=None)
     p.add_argument("--public-name", default=None)
     p.add_argument(
+        "--balance-quality",
+        type=float,
+        default=0.75,
+        help="with --num-blocks: move only if the swarm's weakest block gets 1/Q times stronger (0 < Q <= 1)",
+    )
+    p.add_argument(
+        "--rebalance-period",
+        type=float,
+        default=60.0,
+        help="with --num-blocks: seconds between checks whether to move to weaker blocks (0: never move)",
+    )
+    p.add_argument(
         "--fault",
         default=None,
         metavar="KIND[:AFTER]",
@@ -108,6 +120,8 @@ def _cmd_worker(args: argparse.Namespace, rest: list[str]) -> int:
         update_period=args.update_period,
         throughput=args.throughput,
         public_name=args.public_name,
+        balance_quality=args.balance_quality,
+        rebalance_period=args.rebalance_period,
         fault=args.fault,
     )
     run_worker(cfg)

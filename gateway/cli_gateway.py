@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shlex
 import signal
 import subprocess
@@ -30,6 +31,8 @@ from typing import Any
 DEFAULT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 WORKER_READY = "swarmserve worker ready:"
 UP_PREFIX = "swarmserve up:"
+#: the last line Python prints for an uncaught exception: ``FileNotFoundError: no model.safetensors…``
+_EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Exit|Interrupt)\b(:|$)")
 
 __all__ = [
     "WorkerProcess",
@@ -183,6 +186,8 @@ class WorkerProcess:
     ready: threading.Event = field(default_factory=threading.Event)
     peer_id: str | None = None
     started_at: float = field(default_factory=time.monotonic)
+    last_output_at: float = field(default_factory=time.monotonic)
+    saw_traceback: bool = False
 
     @classmethod
     def spawn(
@@ -208,6 +213,8 @@ class WorkerProcess:
         for raw in self.popen.stdout:
             line = raw.rstrip("\n")
             self.lines.append(line)
+            self.last_output_at = time.monotonic()
+            self.saw_traceback |= line.startswith("Traceback (most recent call last):")
             if self.echo:
                 print(f"[{self.name}] {line}", file=sys.stderr, flush=True)
             if line.startswith(WORKER_READY) and not self.ready.is_set():
@@ -222,6 +229,17 @@ class WorkerProcess:
     @property
     def alive(self) -> bool:
         return self.popen.poll() is None
+
+    def crashed(self, quiet_s: float = 5.0) -> bool:
+        """Exited, or printed an uncaught exception and went quiet: a worker whose main thread died can
+        hang at exit waiting for its DHT process, so its exit code may never come."""
+        if not self.alive:
+            return True
+        if not self.saw_traceback or not self.lines:
+            return False
+        last = self.lines[-1]
+        uncaught = bool(_EXCEPTION_LINE.match(last))
+        return uncaught and time.monotonic() - self.last_output_at > quiet_s
 
     def tail(self, n: int = 30) -> str:
         return "\n".join(f"    {line}" for line in list(self.lines)[-n:])
@@ -270,12 +288,10 @@ def _wait_ready(workers: Sequence[WorkerProcess], stop: threading.Event, timeout
                 reported.add(w.name)
                 took = time.monotonic() - w.started_at
                 _say(f"{w.name} (blocks {w.span[0]}:{w.span[1]}) ready in {took:.1f}s as peer {w.peer_id}")
-            elif not w.alive and not w.ready.is_set():
+            elif not w.ready.is_set() and w.crashed():
                 time.sleep(0.2)  # let the reader thread take the last lines
-                return (
-                    f"{w.name} exited with code {w.popen.returncode} before it was ready; its last lines:\n"
-                    + w.tail()
-                )
+                how = "crashed" if w.alive else f"exited with code {w.popen.returncode}"
+                return f"{w.name} {how} before it was ready; its last lines:\n{w.tail()}"
         if len(reported) == len(workers):
             return None
         if stop.is_set():
@@ -421,11 +437,12 @@ def _run_up(
         _say("Ctrl-C to stop")
 
         while not stop.wait(0.5):
-            dead = [w for w in workers if not w.alive]
+            dead = [w for w in workers if w.crashed()]
             if dead:
                 w = dead[0]
                 time.sleep(0.2)
-                _say(f"error: {w.name} exited with code {w.popen.returncode}; its last lines:\n{w.tail()}")
+                how = "crashed" if w.alive else f"exited with code {w.popen.returncode}"
+                _say(f"error: {w.name} {how}; its last lines:\n{w.tail()}")
                 code = 1
                 break
         _say("shutting down")

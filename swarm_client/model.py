@@ -139,14 +139,26 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
         output_hidden_states: bool | None = None,
         return_dict: bool | None = None,
         session: InferenceSession | None = None,
+        prompts: torch.Tensor | None = None,
         **kwargs,
     ) -> CausalLMOutputWithPast:
+        """🤗-style forward; ``prompts [num_blocks, B or 1, P, H]`` are deep prompts (stateless path only).
+
+        ``inputs_embeds`` go through the family's input transform (``Head.embed_inputs``: BLOOM's embedding
+        layernorm), as in 🤗, so ``model(inputs_embeds=model.get_input_embeddings()(ids))`` equals
+        ``model(ids)``.
+        """
         if (input_ids is None) == (inputs_embeds is None):
             raise InvalidInputError("pass exactly one of input_ids or inputs_embeds")
         if attention_mask is not None and not bool(attention_mask.bool().all()):
             raise InvalidInputError("padding (attention_mask with zeros) is not supported; use equal-length rows")
-        hidden = self.head.embed(input_ids) if inputs_embeds is None else inputs_embeds
+        if inputs_embeds is None:
+            hidden = self.head.embed(input_ids)
+        else:
+            hidden = self.head.embed_inputs(inputs_embeds)
         session = session or self._active_session
+        if session is not None and prompts is not None:
+            raise InvalidInputError("deep prompts work in the stateless forward only, not in a session")
         states: list[torch.Tensor] = []
         if session is not None:
             fed = input_ids if input_ids is not None else None
@@ -162,9 +174,9 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
             session.token_ids.extend(columns)
             out = out.to(hidden.dtype)
         elif output_hidden_states:
-            out, states = self.blocks.forward_with_states(hidden)
+            out, states = self.blocks.forward_with_states(hidden, prompts)
         else:
-            out = self.blocks(hidden)
+            out = self.blocks(hidden, prompts)
         logits = self.head.final(out)
         loss = None
         if labels is not None:

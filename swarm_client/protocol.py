@@ -52,7 +52,22 @@ def unpack_metadata(raw: bytes) -> dict[str, Any]:
 
 
 def serialize(tensor: torch.Tensor, compression: str = "none") -> runtime_pb2.Tensor:
-    return serialize_torch_tensor(tensor.detach().cpu(), COMPRESSIONS[compression])
+    """``compression`` applies to float32/float64; bfloat16 always travels as its own 2 bytes per value.
+
+    (hivemind's FLOAT16 codec refuses bfloat16, and its default NONE path widens it to float32.)
+    """
+    tensor = tensor.detach().cpu()
+    if tensor.dtype == torch.bfloat16:
+        return runtime_pb2.Tensor(
+            compression=runtime_pb2.CompressionType.NONE,
+            buffer=tensor.contiguous().view(torch.int16).numpy().tobytes(),
+            size=tensor.shape,
+            dtype="bfloat16",
+            requires_grad=tensor.requires_grad,
+        )
+    if not tensor.is_floating_point():
+        compression = "none"
+    return serialize_torch_tensor(tensor, COMPRESSIONS[compression])
 
 
 def deserialize(message: runtime_pb2.Tensor) -> torch.Tensor:

@@ -3,6 +3,11 @@
 Forward runs statelessly over a route (``rpc_forward`` per hop) and is differentiable: backward sends
 the output gradient back hop by hop (``rpc_backward``), so prompt tuning and local heads train through it.
 Slicing (``blocks[2:5]``) gives a RemoteSequential over those blocks only.
+
+Deep prompts (Petals' semantics): ``forward(hidden, prompts)`` with ``prompts [num_blocks, B or 1, P, H]`` has
+each server add ``prompts[i]`` to the first ``P`` positions before block ``i``; each hop gets its slice, and
+backward returns gradients for both. Activations travel in each server's announced dtype (it would cast them
+on arrival anyway), so a bfloat16 server halves the bytes on the wire without changing any result.
 """
 
 from __future__ import annotations
@@ -15,16 +20,28 @@ from hivemind.proto import runtime_pb2
 from torch import nn
 
 from swarm_client import protocol, runtime
-from swarm_client.errors import InvalidInputError, NoRouteError, PeerError, PeerTimeout, RemoteError, error_from_wire
+from swarm_client.errors import (
+    InvalidInputError,
+    NoRouteError,
+    PeerError,
+    PeerTimeout,
+    RemoteError,
+    error_from_wire,
+)
 from swarm_client.routing import RouteHop
 from swarm_client.sequence_manager import SequenceManager
 from swarm_client.session import CALLER_ERRORS, InferenceSession
 
 
-async def _call_stream(manager: SequenceManager, peer_id: str, method: str, tensors: list[torch.Tensor], **metadata):
+async def _call_stream(
+    manager: SequenceManager, peer_id: str, method: str, tensors: list[torch.Tensor], **metadata
+):
     stub = await manager.stub(peer_id)
     messages = protocol.split_message(
-        tensors, {**metadata, "compression": manager.config.compression}, runtime_pb2.ExpertRequest, manager.config.compression
+        tensors,
+        {**metadata, "compression": manager.config.compression},
+        runtime_pb2.ExpertRequest,
+        manager.config.compression,
     )
 
     async def requests():
@@ -46,17 +63,36 @@ async def _call_stream(manager: SequenceManager, peer_id: str, method: str, tens
     return out
 
 
+#: one hop of a stateless forward: the hop, its input and its slice of the deep prompts (if any)
+TraceItem = tuple[RouteHop, torch.Tensor, "torch.Tensor | None"]
+
+
+def _wire_dtype(manager: SequenceManager, peer_id: str) -> torch.dtype | None:
+    """The dtype ``peer_id`` computes in (from its DHT record), or None when unknown."""
+    span = manager.spans.get(peer_id)
+    dtype = getattr(torch, span.server_info.dtype, None) if span is not None else None
+    return dtype if isinstance(dtype, torch.dtype) and dtype.is_floating_point else None
+
+
+def _to_wire(tensor: torch.Tensor | None, dtype: torch.dtype | None) -> torch.Tensor | None:
+    return tensor if tensor is None or dtype is None else tensor.to(dtype)
+
+
 async def _run_span(
     manager: SequenceManager,
     start: int,
     end: int,
     hidden: torch.Tensor,
     output_hidden_states: bool = False,
-) -> tuple[torch.Tensor, list[tuple[RouteHop, torch.Tensor]], list[torch.Tensor]]:
-    """Forward ``hidden`` through blocks ``[start, end)``, re-routing around failing servers."""
+    prompts: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, list[TraceItem], list[torch.Tensor]]:
+    """Forward ``hidden`` through blocks ``[start, end)``, re-routing around failing servers.
+
+    ``prompts`` (``[end - start, B or 1, P, H]``) are deep prompts; each hop is sent its slice.
+    """
     deadline = time.monotonic() + manager.config.failover_deadline
     position, x = start, hidden
-    trace: list[tuple[RouteHop, torch.Tensor]] = []
+    trace: list[TraceItem] = []
     states: list[torch.Tensor] = []
     while position < end:
         try:
@@ -67,19 +103,26 @@ async def _run_span(
             await asyncio.sleep(0.5)
             continue
         for hop in hops:
+            dtype = _wire_dtype(manager, hop.peer_id)
+            x = _to_wire(x, dtype)
+            hop_prompts = _to_wire(
+                None if prompts is None else prompts[hop.start - start : hop.end - start], dtype
+            )
             try:
                 (out,) = await _call_stream(
                     manager,
                     hop.peer_id,
                     "rpc_forward",
-                    [x],
+                    [x] if hop_prompts is None else [x, hop_prompts],
                     output_hidden_states=output_hidden_states,
                     start_block=hop.start,
                     end_block=hop.end,
                 )
                 expected = (hop.end - hop.start, *x.shape) if output_hidden_states else tuple(x.shape)
                 if tuple(out.shape) != expected or not torch.isfinite(out).all():
-                    raise PeerError(f"server {hop.peer_id} returned invalid activations {tuple(out.shape)}", hop.peer_id)
+                    raise PeerError(
+                        f"server {hop.peer_id} returned invalid activations {tuple(out.shape)}", hop.peer_id
+                    )
             except CALLER_ERRORS:
                 raise
             except (PeerError, RemoteError) as e:
@@ -87,7 +130,7 @@ async def _run_span(
                 if time.monotonic() > deadline:
                     raise
                 break  # re-route from `position`
-            trace.append((hop, x))
+            trace.append((hop, x, hop_prompts))
             if output_hidden_states:
                 states.extend(out.unbind(0))
                 x = out[-1]
@@ -97,35 +140,77 @@ async def _run_span(
     return x, trace, states
 
 
+#: gradient w.r.t. the deep prompts of blocks ``[start, end)``
+PromptGrad = tuple[int, int, torch.Tensor]
+
+
 async def _backward_trace(
-    manager: SequenceManager, trace: list[tuple[RouteHop, torch.Tensor]], grad: torch.Tensor
-) -> torch.Tensor:
-    for hop, inputs in reversed(trace):
+    manager: SequenceManager, trace: list[TraceItem], grad: torch.Tensor
+) -> tuple[torch.Tensor, list[PromptGrad]]:
+    """Gradient w.r.t. the trace's input, and the prompts' gradients per hop (absolute block indices)."""
+    prompt_grads: list[PromptGrad] = []
+    for hop, inputs, prompts in reversed(trace):
+        grad = _to_wire(grad, inputs.dtype)
         try:
-            (grad,) = await _call_stream(
-                manager, hop.peer_id, "rpc_backward", [inputs, grad], start_block=hop.start, end_block=hop.end
+            grads = await _call_stream(
+                manager,
+                hop.peer_id,
+                "rpc_backward",
+                [inputs, grad] if prompts is None else [inputs, grad, prompts],
+                start_block=hop.start,
+                end_block=hop.end,
             )
+            if len(grads) != (1 if prompts is None else 2) or grads[0].shape != inputs.shape:
+                raise PeerError(f"server {hop.peer_id} returned invalid gradients", hop.peer_id)
+            if prompts is not None:
+                if grads[1].shape != prompts.shape:
+                    raise PeerError(f"server {hop.peer_id} returned invalid prompt gradients", hop.peer_id)
+                prompt_grads.append((hop.start, hop.end, grads[1]))
+            grad = grads[0]
         except CALLER_ERRORS:
             raise
         except (PeerError, RemoteError) as e:
             # the server that ran the forward is gone: recompute this hop's backward on another route
             manager.ban(hop.peer_id, str(e))
-            _, sub_trace, _ = await _run_span(manager, hop.start, hop.end, inputs)
-            grad = await _backward_trace(manager, sub_trace, grad)
-    return grad
+            _, sub_trace, _ = await _run_span(manager, hop.start, hop.end, inputs, prompts=prompts)
+            grad, sub_grads = await _backward_trace(manager, sub_trace, grad)
+            prompt_grads.extend(sub_grads)
+    return grad, prompt_grads
 
 
 class _RemoteForward(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden: torch.Tensor, manager: SequenceManager, start: int, end: int) -> torch.Tensor:
-        out, trace, _ = runtime.run(_run_span(manager, start, end, hidden.detach().cpu()))
-        ctx.manager, ctx.trace = manager, trace
-        return out.to(hidden.dtype)
+    def forward(
+        ctx,
+        hidden: torch.Tensor,
+        prompts: torch.Tensor | None,
+        manager: SequenceManager,
+        start: int,
+        end: int,
+    ) -> torch.Tensor:
+        wire_prompts = None if prompts is None else prompts.detach().cpu()
+        out, trace, _ = runtime.run(
+            _run_span(manager, start, end, hidden.detach().cpu(), prompts=wire_prompts)
+        )
+        ctx.manager, ctx.trace, ctx.start = manager, trace, start
+        ctx.hidden_meta = (hidden.device, hidden.dtype)
+        ctx.prompts_meta = None if prompts is None else (prompts.shape, prompts.device, prompts.dtype)
+        return out.to(hidden.device, hidden.dtype)
 
     @staticmethod
     def backward(ctx, grad_output: torch.Tensor):
-        grad = runtime.run(_backward_trace(ctx.manager, ctx.trace, grad_output.detach().cpu().contiguous()))
-        return grad.to(grad_output.dtype), None, None, None
+        grad, pieces = runtime.run(
+            _backward_trace(ctx.manager, ctx.trace, grad_output.detach().cpu().contiguous())
+        )
+        grad_prompts = None
+        if ctx.prompts_meta is not None:
+            shape, device, dtype = ctx.prompts_meta
+            grad_prompts = torch.zeros(shape, dtype=dtype)
+            for start, end, piece in pieces:
+                grad_prompts[start - ctx.start : end - ctx.start] = piece.to(dtype)
+            grad_prompts = grad_prompts.to(device)
+        device, dtype = ctx.hidden_meta
+        return grad.to(device, dtype), grad_prompts, None, None, None
 
 
 class RemoteSequential(nn.Module):
@@ -154,27 +239,54 @@ class RemoteSequential(nn.Module):
         for i in range(len(self)):
             yield self[i]
 
-    def _check(self, hidden: torch.Tensor) -> None:
+    def _check(self, hidden: torch.Tensor, prompts: torch.Tensor | None = None) -> None:
         if hidden.ndim != 3:
-            raise InvalidInputError(f"expected hidden states [batch, tokens, hidden], got {tuple(hidden.shape)}")
+            raise InvalidInputError(
+                f"expected hidden states [batch, tokens, hidden], got {tuple(hidden.shape)}"
+            )
+        if prompts is None:
+            return
+        if (
+            prompts.ndim != 4
+            or prompts.shape[0] != len(self)
+            or prompts.shape[1] not in (1, hidden.shape[0])
+            or not 1 <= prompts.shape[2] <= hidden.shape[1]
+            or prompts.shape[3] != hidden.shape[2]
+        ):
+            raise InvalidInputError(
+                f"deep prompts must be [{len(self)} blocks, {hidden.shape[0]} or 1, prefix <= {hidden.shape[1]}, "
+                f"{hidden.shape[2]}], got {tuple(prompts.shape)}"
+            )
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Stateless, differentiable forward through these blocks."""
-        self._check(hidden)
+    def forward(self, hidden: torch.Tensor, prompts: torch.Tensor | None = None) -> torch.Tensor:
+        """Stateless forward through these blocks, differentiable w.r.t. ``hidden`` and the deep ``prompts``.
+
+        ``prompts[i]`` ``[B or 1, P, H]`` is added to the first ``P`` positions of the hidden states before
+        block ``i`` of this slice (Petals' deep prompt tuning).
+        """
+        self._check(hidden, prompts)
         if len(self) == 0:
             return hidden
-        return _RemoteForward.apply(hidden, self.manager, self.start, self.end)
+        return _RemoteForward.apply(hidden, prompts, self.manager, self.start, self.end)
 
-    def forward_with_states(self, hidden: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    def forward_with_states(
+        self, hidden: torch.Tensor, prompts: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """Output and every block's output (no autograd)."""
-        self._check(hidden)
-        out, _, states = runtime.run(_run_span(self.manager, self.start, self.end, hidden.detach().cpu(), True))
-        return out.to(hidden.dtype), [s.to(hidden.dtype) for s in states]
+        self._check(hidden, prompts)
+        wire_prompts = None if prompts is None else prompts.detach().cpu()
+        out, _, states = runtime.run(
+            _run_span(self.manager, self.start, self.end, hidden.detach().cpu(), True, prompts=wire_prompts)
+        )
+        device, dtype = hidden.device, hidden.dtype
+        return out.to(device, dtype), [s.to(device, dtype) for s in states]
 
     def inference_session(
         self, max_length: int, batch_size: int = 1, session_id: str | None = None, keep_on_close: bool = False
     ) -> InferenceSession:
-        return InferenceSession(self.manager, self.start, self.end, max_length, batch_size, session_id, keep_on_close)
+        return InferenceSession(
+            self.manager, self.start, self.end, max_length, batch_size, session_id, keep_on_close
+        )
 
     def extra_repr(self) -> str:
         return f"blocks {self.start}:{self.end} of {self.manager.config.dht_prefix}"

@@ -2,10 +2,23 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
+from swarm_client.families.batched import Segment, llama_forward_batch, supports_batching
 from worker.cache import SessionCache
+
+
+@dataclass
+class StepItem:
+    """One session's pending inference step."""
+
+    cache: SessionCache
+    hidden: torch.Tensor
+    position: int
+    output_hidden_states: bool = False
 
 
 class SpanRunner:
@@ -33,24 +46,98 @@ class SpanRunner:
         cache.position = position + hidden.shape[1]
         return torch.stack(states) if output_hidden_states else x
 
+    def can_batch(self, item: StepItem) -> bool:
+        return item.hidden.shape[1] == 1 and not item.output_hidden_states
+
+    @torch.inference_mode()
+    def inference_batch(self, items: list[StepItem]) -> list[torch.Tensor]:
+        """Run several sessions' steps; single-token steps over the same blocks share one pass.
+
+        Results equal running each item alone with ``inference_step`` (same math per row; tests check it).
+        """
+        results: list[torch.Tensor | None] = [None] * len(items)
+        groups: dict[tuple, list[int]] = {}
+        for i, item in enumerate(items):
+            blocks = item.cache.blocks
+            batchable = self.can_batch(item) and all(supports_batching(b) for b in self.blocks[blocks])
+            if batchable:
+                groups.setdefault((blocks.start, blocks.stop), []).append(i)
+            else:
+                results[i] = self.inference_step(
+                    item.cache, item.hidden, item.position, item.output_hidden_states, item.cache.blocks
+                )
+        for (start, stop), indices in groups.items():
+            if len(indices) == 1:
+                i = indices[0]
+                results[i] = self.inference_step(
+                    items[i].cache, items[i].hidden, items[i].position, False, slice(start, stop)
+                )
+                continue
+            hidden = torch.cat([items[i].hidden.to(self.device, self.dtype) for i in indices], 0)
+            bounds, row = [], 0
+            for i in indices:
+                bounds.append((row, row + items[i].hidden.shape[0]))
+                row += items[i].hidden.shape[0]
+            for layer_index, block in enumerate(self.blocks[slice(start, stop)]):
+                segments = [
+                    Segment(a, b, items[i].position, items[i].cache.kv[layer_index])
+                    for i, (a, b) in zip(indices, bounds, strict=True)
+                ]
+                hidden = llama_forward_batch(block, hidden, segments)
+            for i, (a, b) in zip(indices, bounds, strict=True):
+                items[i].cache.position = items[i].position + 1
+                results[i] = hidden[a:b]
+        return results  # type: ignore[return-value]
+
     @torch.inference_mode()
     def forward(
-        self, hidden: torch.Tensor, output_hidden_states: bool = False, blocks: slice = slice(None)
+        self,
+        hidden: torch.Tensor,
+        output_hidden_states: bool = False,
+        blocks: slice = slice(None),
+        prompts: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """Stateless forward; ``prompts[i]`` [B or 1, P, H] is added to positions [0, P) before block i."""
         x = hidden.to(self.device, self.dtype)
+        prompts = None if prompts is None else prompts.to(self.device, self.dtype)
         states = []
-        for block in self.blocks[blocks]:
+        for i, block in enumerate(self.blocks[blocks]):
+            if prompts is not None:
+                x = add_prompt(x, prompts[i])
             x = block(x, 0, None)
             if output_hidden_states:
                 states.append(x)
         return torch.stack(states) if output_hidden_states else x
 
-    def backward(self, hidden: torch.Tensor, grad_output: torch.Tensor, blocks: slice = slice(None)) -> torch.Tensor:
-        """Gradient of ``sum(span(hidden) * grad_output)`` w.r.t. ``hidden`` (recomputes the forward)."""
+    def backward(
+        self,
+        hidden: torch.Tensor,
+        grad_output: torch.Tensor,
+        blocks: slice = slice(None),
+        prompts: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Gradients of ``sum(span(hidden, prompts) * grad_output)`` w.r.t. ``hidden`` and ``prompts``.
+
+        Recomputes the forward (the server keeps no activations between calls); the prompts' gradient is
+        None when no prompts were given.
+        """
         with torch.enable_grad():
             x0 = hidden.to(self.device, self.dtype).detach().requires_grad_(True)
+            p = None if prompts is None else prompts.to(self.device, self.dtype).detach().requires_grad_(True)
             x = x0
-            for block in self.blocks[blocks]:
+            for i, block in enumerate(self.blocks[blocks]):
+                if p is not None:
+                    x = add_prompt(x, p[i])
                 x = block(x, 0, None)
-            (grad,) = torch.autograd.grad(x, x0, grad_output.to(self.device, self.dtype))
-        return grad
+            inputs = (x0,) if p is None else (x0, p)
+            grads = torch.autograd.grad(x, inputs, grad_output.to(self.device, self.dtype))
+        return grads[0], (grads[1] if p is not None else None)
+
+
+def add_prompt(hidden: torch.Tensor, prompt: torch.Tensor) -> torch.Tensor:
+    """``hidden`` [B, T, H] plus ``prompt`` [B or 1, P, H] on its first P positions (Petals' deep prompts).
+
+    Out of place, so the same code serves the differentiable backward recomputation.
+    """
+    length = prompt.shape[1]
+    return torch.cat([hidden[:, :length] + prompt, hidden[:, length:]], dim=1)

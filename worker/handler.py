@@ -21,7 +21,8 @@ from hivemind.proto import runtime_pb2
 from swarm_client import protocol
 from swarm_client.errors import InvalidInputError, LengthExceededError, RemoteError, error_to_wire
 from worker.cache import CacheManager, SessionCache
-from worker.compute import SpanRunner
+from worker.batcher import StepBatcher
+from worker.compute import SpanRunner, StepItem
 
 logger = logging.getLogger(__name__)
 
@@ -58,6 +59,7 @@ class BlockHandler(protocol.BlockRPC):
         self.info = info
         self.limits = limits or HandlerLimits()
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="compute")
+        self.batcher = StepBatcher(runner, self.executor)
         self.accepting = True
         #: test-only fault injection: "nan", "hang" or "wrong-shape" after ``fault_after`` inference steps
         self.fault: str | None = None
@@ -108,6 +110,9 @@ class BlockHandler(protocol.BlockRPC):
             "tokens_processed": self.tokens_processed,
             "inference_steps": self.inference_steps,
             "active_streams": self.active_streams,
+            "batches": self.batcher.batches,
+            "batched_steps": self.batcher.batched_items,
+            "max_batch_seen": self.batcher.max_batch_seen,
             "accepting": self.accepting,
         }
         return runtime_pb2.ExpertInfo(serialized_info=protocol.pack_metadata(payload))
@@ -193,13 +198,8 @@ class BlockHandler(protocol.BlockRPC):
             cache.position = position  # rolls back when position < cached tokens
             self.caches.ensure_capacity(cache, position + length)
             t0 = time.perf_counter()
-            out = await self._compute(
-                self.runner.inference_step,
-                cache,
-                hidden,
-                position,
-                bool(metadata.get("output_hidden_states")),
-                cache.blocks,
+            out = await self.batcher.submit(
+                StepItem(cache, hidden, position, bool(metadata.get("output_hidden_states")))
             )
             self.last_step_seconds = time.perf_counter() - t0
         self.tokens_processed += length * hidden.shape[0]
@@ -222,14 +222,25 @@ class BlockHandler(protocol.BlockRPC):
     async def rpc_forward(
         self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
     ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
+        """``[hidden]`` or ``[hidden, prompts]`` → ``[out]`` (``[N, B, T, H]`` with output_hidden_states)."""
         try:
             tensors, metadata = await protocol.gather_message(requests)
-            (hidden,) = self._check_hidden(tensors)
+            if len(tensors) not in (1, 2):
+                raise InvalidInputError(f"expected [hidden] or [hidden, prompts], got {len(tensors)} tensors")
+            (hidden,) = self._check_hidden(tensors[:1])
             self._check_forward_size(hidden)
-            blocks = self._relative(*self._blocks(metadata))
-            out = await self._compute(self.runner.forward, hidden, bool(metadata.get("output_hidden_states")), blocks)
+            start, end = self._blocks(metadata)
+            prompts = self._check_prompts(tensors[1], hidden, end - start) if len(tensors) == 2 else None
+            out = await self._compute(
+                self.runner.forward,
+                hidden,
+                bool(metadata.get("output_hidden_states")),
+                self._relative(start, end),
+                prompts,
+            )
             self.tokens_processed += hidden.shape[0] * hidden.shape[1]
-            for message in protocol.split_message([out], {}, runtime_pb2.ExpertResponse, metadata.get("compression", "none")):
+            compression = metadata.get("compression", "none")
+            for message in protocol.split_message([out], {}, runtime_pb2.ExpertResponse, compression):
                 yield message
         except (RemoteError, ValueError) as e:
             yield protocol.make_response(error=self._wire_error(e))
@@ -240,21 +251,56 @@ class BlockHandler(protocol.BlockRPC):
     async def rpc_backward(
         self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
     ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
+        """``[hidden, grad_output(, prompts)]`` → ``[grad_hidden(, grad_prompts)]``."""
         try:
             tensors, metadata = await protocol.gather_message(requests)
-            hidden, grad_output = self._check_hidden(tensors, count=2)
+            if len(tensors) not in (2, 3):
+                raise InvalidInputError(
+                    f"expected [hidden, grad_output] or [hidden, grad_output, prompts], got {len(tensors)}"
+                )
+            hidden, grad_output = self._check_hidden(tensors[:2], count=2)
             if hidden.shape != grad_output.shape:
-                raise InvalidInputError(f"grad_output shape {tuple(grad_output.shape)} != input {tuple(hidden.shape)}")
+                raise InvalidInputError(
+                    f"grad_output shape {tuple(grad_output.shape)} != input {tuple(hidden.shape)}"
+                )
             self._check_forward_size(hidden)
-            blocks = self._relative(*self._blocks(metadata))
-            grad = await self._compute(self.runner.backward, hidden, grad_output, blocks)
-            for message in protocol.split_message([grad], {}, runtime_pb2.ExpertResponse, metadata.get("compression", "none")):
+            start, end = self._blocks(metadata)
+            prompts = self._check_prompts(tensors[2], hidden, end - start) if len(tensors) == 3 else None
+            grad, grad_prompts = await self._compute(
+                self.runner.backward, hidden, grad_output, self._relative(start, end), prompts
+            )
+            grads = [grad] if grad_prompts is None else [grad, grad_prompts]
+            compression = metadata.get("compression", "none")
+            for message in protocol.split_message(grads, {}, runtime_pb2.ExpertResponse, compression):
                 yield message
         except (RemoteError, ValueError) as e:
             yield protocol.make_response(error=self._wire_error(e))
         except Exception as e:
             logger.exception("backward failed")
             yield protocol.make_response(error={"code": "remote_error", "message": f"internal error: {e!r}"})
+
+    def _check_prompts(self, prompts: torch.Tensor, hidden: torch.Tensor, num_blocks: int) -> torch.Tensor:
+        """Deep prompts must be ``[num_blocks, B or 1, P <= T, H]``, finite floats within the size limit."""
+        batch, length, hidden_size = hidden.shape
+        if not prompts.dtype.is_floating_point or prompts.ndim != 4:
+            raise InvalidInputError(
+                f"prompts must be a floating point [blocks, batch, prefix, hidden] tensor, got "
+                f"{prompts.dtype} {tuple(prompts.shape)}"
+            )
+        blocks, prompt_batch, prefix, size = prompts.shape
+        fits = blocks == num_blocks and prompt_batch in (1, batch) and size == hidden_size
+        if not fits or not 1 <= prefix <= length:
+            raise InvalidInputError(
+                f"prompts of shape {tuple(prompts.shape)} do not fit {num_blocks} blocks and hidden states "
+                f"{tuple(hidden.shape)}: expected [{num_blocks}, {batch} or 1, 1..{length}, {hidden_size}]"
+            )
+        if prompts.numel() * prompts.element_size() > self.limits.max_tensor_bytes:
+            raise InvalidInputError(
+                f"prompts of {prompts.numel() * prompts.element_size()} bytes exceed the server's limit"
+            )
+        if not torch.isfinite(prompts).all():
+            raise InvalidInputError("prompts contain NaN or inf")
+        return prompts
 
     def _check_forward_size(self, hidden: torch.Tensor) -> None:
         if hidden.shape[0] * hidden.shape[1] > self.limits.max_forward_tokens:

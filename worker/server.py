@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import random
 import signal
 import time
 from dataclasses import dataclass, field
@@ -28,6 +29,15 @@ from worker.cache import CacheManager
 from worker.compute import SpanRunner
 from worker.handler import BlockHandler, HandlerLimits
 from worker.loading import load_blocks, resolve_dtype
+from worker.rebalance import (
+    HandlerSwitch,
+    balancing_view,
+    jittered,
+    joining_range,
+    plan_move,
+    retired_ranges,
+    tombstone,
+)
 from worker.throughput import measure_throughput
 
 logger = logging.getLogger("swarmserve.worker")
@@ -53,6 +63,11 @@ class WorkerConfig:
     throughput: float | None = None
     public_name: str | None = None
     max_sessions_per_peer: int = 256
+    #: a ``--num-blocks`` server moves only if that makes the weakest block this much stronger
+    #: (``current_min < balance_quality * new_min``; see ``worker.block_selection``)
+    balance_quality: float = 0.75
+    #: seconds (jittered ±50%) between balance checks of a ``--num-blocks`` server; 0 disables moving
+    rebalance_period: float = 60.0
     #: test-only: "KIND[:AFTER_STEPS]" with KIND in nan, hang, wrong-shape
     fault: str | None = None
 
@@ -70,6 +85,7 @@ class BlockServer:
         self.expiration = cfg.expiration or max(3 * cfg.update_period, 15.0)
         self.dht: DHT | None = None
         self.handler: BlockHandler | None = None
+        self.switch: HandlerSwitch | None = None
         self.state = ServerState.JOINING
         self.start = self.end = 0
         self.throughput = 1.0
@@ -88,32 +104,10 @@ class BlockServer:
         logger.info("chose blocks %d:%d of %d", self.start, self.end, self.total_blocks)
         await self._announce(ServerState.JOINING)
 
-        blocks = await asyncio.to_thread(
-            load_blocks, self.model_dir, self.config, self.family, self.start, self.end, self.dtype, self.device
-        )
-        runner = SpanRunner(blocks, self.dtype, self.device)
-        layout = self.family.cache_layout(self.config)
-        caches = CacheManager(
-            cfg.cache_tokens, len(blocks), layout, self.dtype, self.device, cfg.session_ttl, cfg.max_sessions_per_peer
-        )
-        self.throughput = cfg.throughput or await asyncio.to_thread(
-            measure_throughput, runner, self.config.hidden_size, layout, self.dtype, self.device
-        )
-        self.handler = BlockHandler(
-            runner,
-            caches,
-            self.config.hidden_size,
-            self.start,
-            self.end,
-            self._info,
-            HandlerLimits(idle_timeout=cfg.idle_timeout),
-        )
-        if cfg.fault:
-            kind, _, after = cfg.fault.partition(":")
-            self.handler.fault, self.handler.fault_after = kind, int(after or 0)
-            logger.warning("FAULT INJECTION ENABLED: %s after %s steps (testing only)", kind, after or 0)
+        self.handler = await self._build_handler(self.start, self.end)
+        self.switch = HandlerSwitch(self.handler)
         p2p = await self.dht.replicate_p2p()
-        await self.handler.add_p2p_handlers(p2p)
+        await self.switch.add_p2p_handlers(p2p)
         self.state = ServerState.ONLINE
         await self._announce(ServerState.ONLINE)
         maddrs = [str(m) for m in self.dht.get_visible_maddrs()]
@@ -127,25 +121,59 @@ class BlockServer:
         for maddr in maddrs:
             print(f"worker maddr: {maddr}", flush=True)
 
-        announcer = asyncio.create_task(self._announce_loop())
+        tasks = [asyncio.create_task(self._announce_loop())]
+        if cfg.blocks is None and cfg.rebalance_period > 0:
+            tasks.append(asyncio.create_task(self._balance_loop()))
         await self._stop.wait()
-        announcer.cancel()
+        for task in tasks:
+            task.cancel()
         await self._drain()
 
     def request_stop(self) -> None:
         self._stop.set()
 
+    async def _build_handler(self, start: int, end: int) -> BlockHandler:
+        """Load blocks ``[start, end)`` and wrap them in a handler (throughput is measured once, on start)."""
+        cfg = self.cfg
+        blocks = await asyncio.to_thread(
+            load_blocks, self.model_dir, self.config, self.family, start, end, self.dtype, self.device
+        )
+        runner = SpanRunner(blocks, self.dtype, self.device)
+        layout = self.family.cache_layout(self.config)
+        caches = CacheManager(
+            cfg.cache_tokens,
+            len(blocks),
+            layout,
+            self.dtype,
+            self.device,
+            cfg.session_ttl,
+            cfg.max_sessions_per_peer,
+        )
+        if self.handler is None:  # per-block tok/s: the same wherever the span lies, so a move reuses it
+            self.throughput = cfg.throughput or await asyncio.to_thread(
+                measure_throughput, runner, self.config.hidden_size, layout, self.dtype, self.device
+            )
+        limits = HandlerLimits(idle_timeout=cfg.idle_timeout)
+        handler = BlockHandler(runner, caches, self.config.hidden_size, start, end, self._info, limits)
+        if cfg.fault:
+            kind, _, after = cfg.fault.partition(":")
+            handler.fault, handler.fault_after = kind, int(after or 0)
+            logger.warning("FAULT INJECTION ENABLED: %s after %s steps (testing only)", kind, after or 0)
+        return handler
+
     async def _drain(self) -> None:
         """Stop taking sessions, announce OFFLINE, let in-flight streams finish, then leave."""
-        assert self.handler is not None and self.dht is not None
-        self.handler.accepting = False
+        assert self.switch is not None and self.dht is not None
+        for handler in self.switch.handlers:
+            handler.accepting = False
         self.state = ServerState.OFFLINE
         await self._announce(ServerState.OFFLINE, expiration=max(self.expiration, 30.0))
         print("swarmserve worker: announced OFFLINE, draining", flush=True)
         deadline = time.monotonic() + self.cfg.drain_timeout
-        while self.handler.active_streams > 0 and time.monotonic() < deadline:
+        while self.switch.active_streams > 0 and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
-        self.handler.executor.shutdown(wait=False, cancel_futures=True)
+        for handler in self.switch.handlers:
+            handler.executor.shutdown(wait=False, cancel_futures=True)
         self.dht.shutdown()
         print("swarmserve worker: stopped", flush=True)
 
@@ -161,12 +189,13 @@ class BlockServer:
         records = fetch_block_records(self.dht, self.dht_prefix, self.total_blocks)
         return choose_best_blocks(num, spans_from_records(records), self.total_blocks)
 
-    def _server_info(self, state: ServerState) -> ServerInfo:
+    def _server_info(self, state: ServerState, span: tuple[int, int] | None = None) -> ServerInfo:
         tokens_left = self.handler.caches.tokens_left if self.handler else self.cfg.cache_tokens
+        start, end = span or (self.start, self.end)
         return ServerInfo(
             state=state,
-            start_block=self.start,
-            end_block=self.end,
+            start_block=start,
+            end_block=end,
             throughput=float(self.throughput),
             cache_tokens_left=max(0, tokens_left),
             version=PROTOCOL_VERSION,
@@ -174,10 +203,19 @@ class BlockServer:
             public_name=self.cfg.public_name,
         )
 
-    async def _announce(self, state: ServerState, expiration: float | None = None) -> None:
-        info = self._server_info(state)
+    async def _announce(
+        self,
+        state: ServerState,
+        expiration: float | None = None,
+        *,
+        blocks: tuple[int, int] | None = None,
+        info: ServerInfo | None = None,
+    ) -> None:
+        """Store ``info`` (default: my state and span) on ``blocks`` (default: my span)."""
+        info = info or self._server_info(state)
+        start, end = blocks or (self.start, self.end)
         ok = await asyncio.to_thread(
-            declare_span, self.dht, self.dht_prefix, self.start, self.end, info, expiration or self.expiration
+            declare_span, self.dht, self.dht_prefix, start, end, info, expiration or self.expiration
         )
         if not ok:
             logger.warning("could not store all DHT records (state %s); will retry", state.name)
@@ -189,6 +227,55 @@ class BlockServer:
                 await self._announce(self.state)
             except Exception:
                 logger.exception("announce failed")
+
+    # ------------------------------------------------------------------ rebalancing
+    async def _balance_loop(self) -> None:
+        """Every ``rebalance_period`` (jittered): move if the swarm is better off with my blocks elsewhere.
+
+        A planned move waits a random part of a period and is planned again from a fresh read, so of
+        several servers that saw the same gap, the first to move usually settles it for the others.
+        """
+        period, rng = self.cfg.rebalance_period, random.Random()
+        while True:
+            await asyncio.sleep(jittered(period, rng))
+            try:
+                if await asyncio.to_thread(self._plan_move) is None:
+                    continue
+                await asyncio.sleep(rng.uniform(0.0, period))
+                target = await asyncio.to_thread(self._plan_move)
+                if target is not None:
+                    await self._move(*target)
+            except Exception:
+                logger.exception("balance check failed; keeping blocks %d:%d", self.start, self.end)
+
+    def _plan_move(self) -> tuple[int, int] | None:
+        records = fetch_block_records(self.dht, self.dht_prefix, self.total_blocks)
+        return plan_move(
+            self.dht.peer_id.to_base58(),
+            balancing_view(records),
+            self.total_blocks,
+            balance_quality=self.cfg.balance_quality,
+        )
+
+    async def _move(self, start: int, end: int) -> None:
+        """Serve ``[start, end)`` instead of my span, never leaving a gap: load and go ONLINE on the new
+        span before retiring the old one; streams already open on the old span run to their end."""
+        assert self.switch is not None
+        old = (self.start, self.end)
+        print(f"swarmserve worker: rebalancing from blocks {old[0]}:{old[1]} to {start}:{end}", flush=True)
+        joining = joining_range(old, (start, end))
+        if joining is not None:
+            info = self._server_info(ServerState.JOINING, span=(start, end))
+            await self._announce(ServerState.JOINING, blocks=joining, info=info)
+        handler = await self._build_handler(start, end)
+        retired = self.switch.switch_to(handler)
+        self.handler, self.start, self.end = handler, start, end
+        await self._announce(ServerState.ONLINE)
+        gone = tombstone(self._server_info(ServerState.ONLINE))
+        for blocks in retired_ranges(old, (start, end)):
+            await self._announce(ServerState.OFFLINE, blocks=blocks, info=gone)
+        print(f"swarmserve worker: now serving blocks {start}:{end} of {self.total_blocks}", flush=True)
+        await self.switch.retire(retired)
 
     def _info(self) -> dict:
         return {

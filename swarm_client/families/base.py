@@ -36,6 +36,10 @@ class Head(nn.Module):
     def embed(self, input_ids: torch.LongTensor) -> torch.Tensor:
         raise NotImplementedError
 
+    def embed_inputs(self, inputs_embeds: torch.Tensor) -> torch.Tensor:
+        """What the family's 🤗 model does to given ``inputs_embeds`` before the first block (identity)."""
+        return inputs_embeds
+
     def final(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final norm + LM head → logits."""
         raise NotImplementedError
@@ -68,6 +72,17 @@ def causal_mask(position: int, num_new: int, total: int, device: torch.device) -
     query_pos = torch.arange(position, position + num_new, device=device)[:, None]
     key_pos = torch.arange(total, device=device)[None, :]
     return key_pos <= query_pos
+
+
+def window_mask(
+    position: int, num_new: int, total: int, window: int | None, device: torch.device
+) -> torch.Tensor | None:
+    """Causal mask that also hides keys ``window`` or more tokens behind the query (🤗's sliding overlay)."""
+    if window is None or position + num_new <= window:
+        return causal_mask(position, num_new, total, device)  # every key is inside the window
+    query_pos = torch.arange(position, position + num_new, device=device)[:, None]
+    key_pos = torch.arange(total, device=device)[None, :]
+    return (key_pos <= query_pos) & (key_pos > query_pos - window)
 
 
 def write_kv(kv: KV, position: int, keys: torch.Tensor, values: torch.Tensor) -> KV:

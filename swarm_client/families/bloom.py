@@ -103,7 +103,11 @@ class BloomHead(Head):
         self.lm_head = model.lm_head
 
     def embed(self, input_ids: torch.LongTensor) -> torch.Tensor:
-        return self.word_embeddings_layernorm(self.word_embeddings(input_ids))
+        return self.embed_inputs(self.word_embeddings(input_ids))
+
+    def embed_inputs(self, inputs_embeds: torch.Tensor) -> torch.Tensor:
+        # 🤗 BloomModel applies the layernorm to inputs_embeds too, whether it computed them or was given them
+        return self.word_embeddings_layernorm(inputs_embeds)
 
     def final_norm(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.ln_f(hidden)

@@ -1,4 +1,7 @@
-"""Llama-shaped decoder families: Llama 2/3.x, Mistral, Qwen2 (qkv bias) — RMSNorm, rotary, GQA, SwiGLU."""
+"""Llama-shaped decoder families: Llama 2/3.x, Mistral, Qwen2 (qkv bias) — RMSNorm, rotary, GQA, SwiGLU.
+
+Mistral and Qwen2 may attend within a sliding window; ``sliding_window(config, index)`` says where 🤗 does.
+"""
 
 from __future__ import annotations
 
@@ -9,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import AutoModelForCausalLM, PretrainedConfig
 
-from swarm_client.families.base import KV, CacheLayout, Head, causal_mask, load_module, write_kv
+from swarm_client.families.base import KV, CacheLayout, Head, load_module, window_mask, write_kv
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -30,10 +33,20 @@ class RotaryTable(nn.Module):
         return cos[:, None], sin[:, None]  # [1, 1, T, D]
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position: int, scaling: float) -> torch.Tensor:
-    """q ``[B, Hq, T, D]``, k/v ``[B, Hkv, S, D]`` → ``[B, T, Hq * D]`` with causal masking from ``position``."""
+def attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    position: int,
+    scaling: float,
+    window: int | None = None,
+) -> torch.Tensor:
+    """q ``[B, Hq, T, D]``, k/v ``[B, Hkv, S, D]`` → ``[B, T, Hq * D]``, causal from ``position``.
+
+    ``window``: keys ``window`` or more tokens behind a query are hidden too (sliding-window attention).
+    """
     num_new, total = q.shape[2], k.shape[2]
-    mask = causal_mask(position, num_new, total, q.device)
+    mask = window_mask(position, num_new, total, window, q.device)
     out = F.scaled_dot_product_attention(
         q, k, v, attn_mask=mask, scale=scaling, enable_gqa=q.shape[1] != k.shape[1]
     )
@@ -43,10 +56,11 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position: int, sca
 class LlamaBlock(nn.Module):
     """One decoder layer; reuses the 🤗 layer's submodules and owns only the attention arithmetic."""
 
-    def __init__(self, layer: nn.Module, rotary: nn.Module):
+    def __init__(self, layer: nn.Module, rotary: nn.Module, sliding_window: int | None = None):
         super().__init__()
         self.layer = layer
         self.rotary = RotaryTable(rotary)
+        self.sliding_window = sliding_window
         attn = layer.self_attn
         self.head_dim = attn.head_dim
         self.scaling = attn.scaling
@@ -63,7 +77,7 @@ class LlamaBlock(nn.Module):
         k = k * cos + rotate_half(k) * sin
         if kv is not None:
             k, v = write_kv(kv, position, k, v)
-        out = attend(q, k, v, position, self.scaling)
+        out = attend(q, k, v, position, self.scaling, self.sliding_window)
         hidden = hidden + attn.o_proj(out)
         return hidden + self.layer.mlp(self.layer.post_attention_layernorm(hidden))
 
@@ -105,6 +119,23 @@ def headless_model(config: PretrainedConfig, tensors: dict[str, torch.Tensor]) -
     return model
 
 
+def sliding_window(config: PretrainedConfig, index: int) -> int | None:
+    """The attention window 🤗 uses in layer ``index``, or None for full causal attention.
+
+    Mistral: ``config.sliding_window`` in every layer (🤗 ignores ``layer_types`` there). Qwen2: only layers
+    whose ``layer_types`` entry is ``"sliding_attention"`` — the config derives them from
+    ``use_sliding_window`` and ``max_window_layers`` (and nulls ``sliding_window`` unless it is used).
+    Llama has no window.
+    """
+    window = getattr(config, "sliding_window", None)
+    if window is None or config.model_type == "llama":
+        return None
+    if config.model_type == "qwen2":
+        layer_types = getattr(config, "layer_types", None) or []
+        return window if index < len(layer_types) and layer_types[index] == "sliding_attention" else None
+    return int(window)
+
+
 class LlamaFamily:
     name = "llama"
     model_types = ("llama", "mistral", "qwen2")
@@ -132,7 +163,7 @@ class LlamaFamily:
             layer = layer_cls(config, layer_idx=index)
         load_module(layer, tensors, f"block {index}")
         # the rotary table stays float32 whatever the weights' dtype, as in 🤗 (inv_freq is not a weight)
-        return LlamaBlock(layer, rotary_cls(config)).eval()
+        return LlamaBlock(layer, rotary_cls(config), sliding_window(config, index)).eval()
 
     def build_head(self, config: PretrainedConfig, tensors: dict[str, torch.Tensor]) -> Head:
         return LlamaHead(headless_model(config, tensors))

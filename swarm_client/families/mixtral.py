@@ -20,22 +20,11 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import PretrainedConfig
 
-from swarm_client.families.base import KV, causal_mask, load_module, write_kv
+from swarm_client.families.base import KV, load_module, window_mask, write_kv
 from swarm_client.families.llama import LlamaBlock, LlamaFamily, rotate_half
 
 #: experts kernel 🤗 picks by default in transformers 5.x (it falls back to a plain loop where unsupported)
 EXPERTS_IMPLEMENTATION = "grouped_mm"
-
-
-def window_mask(
-    position: int, num_new: int, total: int, window: int | None, device: torch.device
-) -> torch.Tensor | None:
-    """Causal mask that also hides keys ``window`` or more tokens behind the query (🤗's sliding overlay)."""
-    if window is None or position + num_new <= window:
-        return causal_mask(position, num_new, total, device)  # every key is inside the window
-    query_pos = torch.arange(position, position + num_new, device=device)[:, None]
-    key_pos = torch.arange(total, device=device)[None, :]
-    return (key_pos <= query_pos) & (key_pos > query_pos - window)
 
 
 def fuse_expert_tensors(tensors: dict[str, torch.Tensor], num_experts: int) -> dict[str, torch.Tensor]:
