@@ -1,0 +1,45 @@
+"""Concurrent sessions on a real worker are batched and still decode exactly like the local model."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from swarm_client import AutoDistributedModelForCausalLM, runtime
+from tests.swarm_fixtures import swarm
+
+pytestmark = pytest.mark.slow
+
+
+def test_concurrent_greedy_sessions_are_batched_and_exact(tiny_llama, local_llama):
+    prompts = [torch.randint(0, 1000, (1, 3 + i), generator=torch.Generator().manual_seed(i)) for i in range(8)]
+    expected = [local_llama.generate(p, max_new_tokens=12, do_sample=False)[0, p.shape[1] :].tolist() for p in prompts]
+    with swarm(tiny_llama, ["0:2", "2:4"]) as s:
+        model = AutoDistributedModelForCausalLM.from_pretrained(tiny_llama, initial_peers=[s.initial_peers])
+        try:
+
+            async def decode(prompt):
+                session = model.blocks.inference_session(max_length=32)
+                try:
+                    out = await session.astep(model.head.embed(prompt))
+                    tokens = []
+                    for _ in range(12):
+                        token = model.head.final(out[:, -1:]).argmax(-1)
+                        tokens.append(int(token))
+                        out = await session.astep(model.head.embed(token))
+                    return tokens
+                finally:
+                    await session.aclose()
+
+            async def run_all():
+                return await asyncio.gather(*(decode(p) for p in prompts))
+
+            with torch.no_grad():
+                got = runtime.run(run_all())
+            assert got == expected
+            infos = [runtime.run(model.manager.info(w.peer_id)) for w in s.workers]
+            assert max(info["max_batch_seen"] for info in infos) > 1
+        finally:
+            model.shutdown()
