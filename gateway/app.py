@@ -1,8 +1,12 @@
 """The FastAPI application: ``create_app(backend, settings)``.
 
 The caller owns the backend (creates it before, closes it after); the app only keeps it in ``app.state``.
+The app owns its session-affinity store (``app.state.affinity``: Redis with ``settings.redis_url``, else in
+memory; None with ``settings.affinity`` off) and closes it at shutdown.
 Middleware, outermost first: CORS → ``RequestContextMiddleware`` (x-request-id on every response, and the
-500 envelope for anything unexpected) → Starlette's exception handlers (``errors.install_error_handlers``).
+500 envelope for anything unexpected) → ``metrics.MetricsMiddleware`` → the admission chain of
+``limits.install_limits`` (auth, body size, rate limits, stream slots) → Starlette's exception handlers
+(``errors.install_error_handlers``).
 """
 
 from __future__ import annotations
@@ -22,7 +26,10 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from gateway.backend import ModelBackend
 from gateway.engine import Engine
 from gateway.errors import error_response, install_error_handlers
-from gateway.routes import ROUTERS
+from gateway.limits import install_limits
+from gateway.metrics import install_metrics
+from gateway.routes import ROUTERS, swarm_page
+from gateway.sessions import AffinityStore, create_store
 from gateway.settings import GatewaySettings
 
 logger = logging.getLogger(__name__)
@@ -75,17 +82,23 @@ def create_app(backend: ModelBackend, settings: GatewaySettings | None = None) -
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         yield
         app.state.engine.close()
+        if app.state.affinity is not None:
+            await app.state.affinity.aclose()
 
     app = FastAPI(
         title="swarmserve", summary="OpenAI-compatible gateway to a swarm of block servers", lifespan=lifespan
     )
     app.state.backend = backend
     app.state.settings = settings
-    app.state.engine = Engine(backend, settings)
+    app.state.affinity = _affinity_store(backend, settings)
+    app.state.engine = Engine(backend, settings, app.state.affinity)
     app.state.started_at = int(time.time())
     for router in ROUTERS:
         app.include_router(router)
+    app.include_router(swarm_page.router)  # /swarm: the HTML status page over /v1/swarm
     install_error_handlers(app, retry_after_s=settings.retry_after_s)
+    install_limits(app, settings)  # auth, body size, rate limits, stream slots (gateway/limits.py)
+    install_metrics(app)  # /metrics; its middleware wraps the limits, so their 401/413/429/503 count
     app.add_middleware(RequestContextMiddleware)
     app.add_middleware(
         CORSMiddleware,
@@ -95,3 +108,16 @@ def create_app(backend: ModelBackend, settings: GatewaySettings | None = None) -
         expose_headers=[REQUEST_ID_HEADER],
     )
     return app
+
+
+def _affinity_store(backend: ModelBackend, settings: GatewaySettings) -> AffinityStore | None:
+    """One namespace per swarm and model, so replicas serving the same swarm share records."""
+    if not settings.affinity:
+        return None
+    namespace = str(getattr(backend, "dht_prefix", None) or backend.model_id)
+    return create_store(
+        redis_url=settings.redis_url,
+        namespace=namespace,
+        ttl_s=settings.affinity_ttl_s,
+        block_tokens=settings.affinity_block_tokens,
+    )

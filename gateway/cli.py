@@ -25,6 +25,9 @@ def _add_dht(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=0)
     p.add_argument("--initial-peers", nargs="*", default=[])
+    p.add_argument("--model", default=None, help="check records of this model's blocks (its DHT prefix)")
+    p.add_argument("--dht-prefix", default=None, help="check records under this prefix")
+    p.add_argument("--identity-path", default=None, help="peer id key file (made if missing)")
     p.set_defaults(func=_cmd_dht)
 
 
@@ -40,6 +43,11 @@ def _add_worker(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--cache-tokens", type=int, default=16384, help="KV-cache budget in token slots")
     p.add_argument("--session-ttl", type=float, default=300.0, help="keep a finished session's cache this long (s)")
     p.add_argument("--idle-timeout", type=float, default=300.0, help="close a stream idle for this long (s)")
+    p.add_argument("--max-sessions", type=int, default=4096, help="sessions of all peers together")
+    p.add_argument("--max-sessions-per-peer", type=int, default=256, help="open sessions of one client peer")
+    p.add_argument(
+        "--max-tensor-bytes", type=int, default=256 * 2**20, help="reject larger tensors before decoding them"
+    )
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=0)
     p.add_argument("--dht-prefix", default=None, help="DHT namespace (default: the model's basename)")
@@ -47,6 +55,9 @@ def _add_worker(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--throughput", type=float, default=None, help="announce this tok/s instead of measuring")
     p.add_argument("--torch-threads", type=int, default=None)
     p.add_argument("--public-name", default=None)
+    p.add_argument(
+        "--metrics-port", type=int, default=0, help="serve Prometheus metrics on this port (0: off)"
+    )
     p.add_argument(
         "--balance-quality",
         type=float,
@@ -85,7 +96,18 @@ def _cmd_dht(args: argparse.Namespace, rest: list[str]) -> int:
 
     from hivemind.dht import DHT
 
-    dht = DHT(initial_peers=args.initial_peers, host_maddrs=[f"/ip4/{args.host}/tcp/{args.port}"], start=True)
+    from swarm_client.config import default_dht_prefix, parse_initial_peers
+    from swarm_client.dht_records import record_validators
+
+    prefix = args.dht_prefix or (default_dht_prefix(args.model) if args.model else None)
+    identity = {"identity_path": args.identity_path} if args.identity_path else {}
+    dht = DHT(
+        initial_peers=parse_initial_peers(args.initial_peers),
+        host_maddrs=[f"/ip4/{args.host}/tcp/{args.port}"],
+        start=True,
+        record_validators=record_validators(prefix),  # signatures always; the schema once we know the keys
+        **identity,
+    )
     for maddr in dht.get_visible_maddrs():
         print(f"initial_peers: {maddr}", flush=True)
     stop = threading.Event()
@@ -114,6 +136,9 @@ def _cmd_worker(args: argparse.Namespace, rest: list[str]) -> int:
         cache_tokens=args.cache_tokens,
         session_ttl=args.session_ttl,
         idle_timeout=args.idle_timeout,
+        max_sessions=args.max_sessions,
+        max_sessions_per_peer=args.max_sessions_per_peer,
+        max_tensor_bytes=args.max_tensor_bytes,
         host=args.host,
         port=args.port,
         dht_prefix=args.dht_prefix,
@@ -123,6 +148,7 @@ def _cmd_worker(args: argparse.Namespace, rest: list[str]) -> int:
         balance_quality=args.balance_quality,
         rebalance_period=args.rebalance_period,
         fault=args.fault,
+        metrics_port=args.metrics_port,
     )
     run_worker(cfg)
     return 0

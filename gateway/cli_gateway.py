@@ -14,10 +14,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import re
 import shlex
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -55,9 +57,12 @@ def _add_gateway(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--initial-peers", nargs="+", required=True, help="multiaddr(s) of DHT peers")
     p.add_argument("--dht-prefix", default=None, help="DHT namespace (default: the model's basename)")
     p.add_argument("--model-id", default=None, help="the name clients use (default: --model)")
-    p.add_argument("--redis-url", default=None, help="session-affinity store (default: in memory)")
+    p.add_argument(
+        "--redis-url", default=None, help="session-affinity store and rate-limit counters (default: memory)"
+    )
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
+    _add_limit_flags(p)
     p.set_defaults(func=_cmd_gateway)
 
 
@@ -81,7 +86,38 @@ def _add_up(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--ready-timeout", type=float, default=600.0, help="seconds to wait for the workers")
     p.add_argument("--grace", type=float, default=15.0, help="seconds a worker may drain before it is killed")
     p.add_argument("-v", "--verbose", action="store_true", help="echo the workers' logs")
+    _add_limit_flags(p)
     p.set_defaults(func=_cmd_up)
+
+
+def _add_limit_flags(p: argparse.ArgumentParser) -> None:
+    """Access control and limits of the gateway; unset flags leave the ``SWARMSERVE_*`` env / defaults."""
+    g = p.add_argument_group("access control and limits")
+    g.add_argument(
+        "--api-keys-file", default=None, help="API keys, one per line, # comments (also: SWARMSERVE_API_KEYS)"
+    )
+    g.add_argument("--rate-limit-rpm", type=int, default=None, help="requests per minute per key (0: none)")
+    g.add_argument(
+        "--rate-limit-tpm", type=int, default=None, help="tokens (prompt + max_tokens) per minute per key"
+    )
+    g.add_argument("--max-body-bytes", type=int, default=None, help="largest request body (413 above)")
+    g.add_argument(
+        "--max-concurrent-streams", type=int, default=None, help="streaming requests at once (0: no limit)"
+    )
+    g.add_argument("--max-queued", type=int, default=None, help="streams waiting for a slot (503 beyond)")
+
+
+def _limit_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """The ``GatewaySettings`` fields of the flags given on the command line."""
+    fields = {
+        "api_keys_file": args.api_keys_file,
+        "rate_limit_rpm": args.rate_limit_rpm,
+        "rate_limit_tpm": args.rate_limit_tpm,
+        "max_body_bytes": args.max_body_bytes,
+        "max_concurrent_streams": args.max_concurrent_streams,
+        "max_queued_streams": args.max_queued,
+    }
+    return {k: v for k, v in fields.items() if v is not None}
 
 
 def _add_status(sub: argparse._SubParsersAction) -> None:
@@ -116,6 +152,24 @@ def _say(message: str) -> None:
 
 def _short(peer_id: str, keep: int = 8) -> str:
     return peer_id if len(peer_id) <= 2 * keep + 1 else f"{peer_id[:keep]}…{peer_id[-keep:]}"
+
+
+def _quiet_http_logs() -> None:
+    """httpx logs every request at INFO: the server's own /health probe would show up in the output."""
+    logging.getLogger("httpx").setLevel(max(logging.WARNING, logging.getLogger().level))
+
+
+def _port_in_use(host: str, port: int) -> str | None:
+    """Why ``host:port`` cannot be listened on, or None: checked before minutes of worker startup."""
+    if port == 0:
+        return None
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError as exc:
+            return exc.strerror or str(exc)
+    return None
 
 
 def _child_env(threads: int | None) -> dict[str, str]:
@@ -230,9 +284,10 @@ class WorkerProcess:
     def alive(self) -> bool:
         return self.popen.poll() is None
 
-    def crashed(self, quiet_s: float = 5.0) -> bool:
-        """Exited, or printed an uncaught exception and went quiet: a worker whose main thread died can
-        hang at exit waiting for its DHT process, so its exit code may never come."""
+    def crashed(self, quiet_s: float = 10.0) -> bool:
+        """Exited, or printed a traceback as its last words and went quiet: a worker whose main thread
+        died can hang at exit waiting for its DHT process, so its exit code may never come. Only for
+        startup: a serving worker may log a handled exception and then rightly stay quiet."""
         if not self.alive:
             return True
         if not self.saw_traceback or not self.lines:
@@ -318,9 +373,15 @@ def _cmd_gateway(args: argparse.Namespace, rest: list[str]) -> int:
     from gateway.swarm_backend import SwarmBackend
     from swarm_client.config import parse_initial_peers
 
+    _quiet_http_logs()
     peers = parse_initial_peers(args.initial_peers)
     settings = GatewaySettings(
-        model=args.model, host=args.host, port=args.port, redis_url=args.redis_url, initial_peers=peers
+        model=args.model,
+        host=args.host,
+        port=args.port,
+        redis_url=args.redis_url,
+        initial_peers=peers,
+        **_limit_settings(args),
     )
     stop = threading.Event()
     previous = _installed_signal_handlers(lambda _sig: stop.set())
@@ -358,7 +419,15 @@ def _cmd_up(args: argparse.Namespace, rest: list[str]) -> int:
     # the DHT forks a process: do it before torch and transformers start threads in this one
     from hivemind.dht import DHT
 
-    dht = DHT(initial_peers=[], host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True)
+    from swarm_client.config import default_dht_prefix
+    from swarm_client.dht_records import mark_validated, record_validators
+
+    # the swarm's bootstrap node: it stores the servers' records, so it checks their signatures and schema
+    validators = record_validators(default_dht_prefix(args.model))
+    dht = DHT(
+        initial_peers=[], host_maddrs=["/ip4/127.0.0.1/tcp/0"], record_validators=validators, start=True
+    )
+    mark_validated(dht)
     maddrs = [str(m) for m in dht.get_visible_maddrs()]
     stop = threading.Event()
     workers: list[WorkerProcess] = []
@@ -386,6 +455,7 @@ def _run_up(
     from swarm_client.config import default_dht_prefix
     from swarm_client.model_source import ModelNotFoundError, resolve_model_path
 
+    _quiet_http_logs()
     server = backend = None
     code = 0
     try:
@@ -395,6 +465,9 @@ def _run_up(
             model_dir = resolve_model_path(args.model)
         except ModelNotFoundError as exc:
             _say(f"error: {exc}")
+            return 2
+        if (busy := _port_in_use(args.host, args.port)) is not None:
+            _say(f"error: cannot listen on {args.host}:{args.port} ({busy}); pick another --port")
             return 2
         from transformers import AutoConfig
 
@@ -427,7 +500,9 @@ def _run_up(
             return 1
 
         backend = SwarmBackend(args.model, maddrs, model_id=args.model, dht_prefix=prefix, dht=dht)
-        settings = GatewaySettings(model=args.model, host=args.host, port=args.port, initial_peers=maddrs)
+        settings = GatewaySettings(
+            model=args.model, host=args.host, port=args.port, initial_peers=maddrs, **_limit_settings(args)
+        )
         app = create_app(backend, settings)
         server = BackgroundServer(app, args.host, args.port, log_level="warning").start(timeout=120)
         served_name = Path(str(args.model).rstrip("/")).name
@@ -437,7 +512,7 @@ def _run_up(
         _say("Ctrl-C to stop")
 
         while not stop.wait(0.5):
-            dead = [w for w in workers if w.crashed()]
+            dead = [w for w in workers if not w.alive]
             if dead:
                 w = dead[0]
                 time.sleep(0.2)
@@ -470,12 +545,10 @@ def _cmd_status(args: argparse.Namespace, rest: list[str]) -> int:
         return 2
     num_blocks = args.num_blocks
     if num_blocks is None:
-        from transformers import AutoConfig
-
-        from swarm_client.model_source import ModelNotFoundError, resolve_model_path
+        from swarm_client.model_source import ModelNotFoundError
 
         try:
-            num_blocks = int(AutoConfig.from_pretrained(resolve_model_path(args.model)).num_hidden_layers)
+            num_blocks = _num_blocks(args.model)
         except ModelNotFoundError as exc:
             print(f"swarmserve status: {exc}", file=sys.stderr)
             return 2
@@ -488,6 +561,22 @@ def _cmd_status(args: argparse.Namespace, rest: list[str]) -> int:
     text, missing = render_status(prefix, num_blocks, spans, as_json=args.json)
     print(text, flush=True)
     return 1 if missing else 0
+
+
+def _num_blocks(model: str) -> int:
+    """The model's depth; a local directory's config.json is read directly (importing transformers
+    costs seconds, which a status probe should not pay)."""
+    config_file = Path(model).expanduser() / "config.json"
+    if config_file.is_file():
+        config = json.loads(config_file.read_text())
+        for key in ("num_hidden_layers", "n_layer", "num_layers"):
+            if isinstance(config.get(key), int):
+                return int(config[key])
+    from transformers import AutoConfig
+
+    from swarm_client.model_source import resolve_model_path
+
+    return int(AutoConfig.from_pretrained(resolve_model_path(model)).num_hidden_layers)
 
 
 def render_status(

@@ -13,16 +13,31 @@ tokenizer is used on the event loop only (HF fast tokenizers are not safe to sha
 session never has two calls in flight: when a request is cancelled (client gone, timeout) the call in
 flight finishes in its thread, then the session is closed — in ``finally``, shielded from the cancellation.
 
-Prefix reuse (later): a ``ChoiceSpec`` carries the whole prompt and ``_prefill`` feeds only what the
-session does not already hold (``session.token_ids``), rolling back to the common prefix first; a future
-session pool can hand ``start`` a warm session and the loop needs no change.
+Prefix reuse across requests (with an affinity store, gateway/sessions.py, and a backend with
+``supports_resume``): ``start`` claims the store's record sharing the longest prefix with choice 0's prompt
+(or the record of the request's session key), resumes its session (``open_session(resume=...)``; if the
+caches are gone, a fresh session instead) and ``_prefill`` feeds only what the session does not already hold
+(``session.token_ids``), rolling back to the common prefix first; the tokens it did not have to send are the
+choice's ``cached_tokens``. Reusable sessions are opened with ``max_length`` = the context window, so any
+later turn fits (the servers grow caches on demand: this reserves nothing). When the choice finishes
+normally its session is *detached* — closed with the caches kept — and written back to the store under the
+claimed record; a choice that fails or is cancelled closes its session (freeing the caches) and leaves no
+record. If the servers lose a resumed session mid-request (``SessionLost``: its earlier inputs are not known
+here, so failover cannot replay them), ``_ReusableSession`` opens a fresh one and re-feeds every token the
+old one held: same tokens, same logits, the output goes on unchanged. Only choice 0 takes part (the other
+choices of ``n > 1`` share its prompt but would need copies of the same caches; they prefill as before).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import functools
 import logging
 import os
+import socket
+import time
+import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -31,7 +46,7 @@ from typing import Any, TypeVar
 import anyio
 import torch
 
-from gateway.backend import DecodeSession, ModelBackend
+from gateway.backend import DecodeSession, ModelBackend, SessionSnapshot
 from gateway.detokenize import IncrementalDetokenizer, TokenVocab
 from gateway.errors import (
     ContextLengthExceededError,
@@ -39,9 +54,12 @@ from gateway.errors import (
     InvalidRequestError,
     ModelNotFoundError,
 )
+from gateway.metrics import GatewayMetrics
 from gateway.sampling import Sampler, SamplingParams, top_logprobs
+from gateway.sessions import AffinityStore, Claim, common_prefix
 from gateway.settings import GatewaySettings
 from gateway.stop import StopMatcher
+from swarm_client.errors import SessionLost, SwarmError
 
 logger = logging.getLogger(__name__)
 
@@ -85,6 +103,8 @@ class Delta:
     completion_tokens: int = 0
     #: on a choice's first delta only, when ``ChoiceSpec.prompt_logprobs``
     prompt_logprobs: list[TokenLogprob] | None = None
+    #: prompt tokens whose caches were reused instead of sent (on every delta; final on the finishing one)
+    cached_tokens: int = 0
 
 
 @dataclass
@@ -95,11 +115,13 @@ class ChoiceResult:
     finish_reason: str = "length"
     completion_tokens: int = 0
     prompt_logprobs: list[TokenLogprob] | None = None
+    cached_tokens: int = 0
 
     def add(self, delta: Delta) -> None:
         self.text += delta.text
         self.logprobs.extend(delta.logprobs)
         self.completion_tokens = delta.completion_tokens
+        self.cached_tokens = delta.cached_tokens
         if delta.prompt_logprobs is not None:
             self.prompt_logprobs = delta.prompt_logprobs
         if delta.finish_reason is not None:
@@ -123,16 +145,96 @@ def eos_token_ids(backend: ModelBackend) -> frozenset[int]:
     return frozenset(ids)
 
 
+class _ReusableSession:
+    """A session that may continue a previous request's caches (``resumed``). If the servers lose those
+    mid-request (``SessionLost``), it opens a fresh session and feeds it every token the lost one held plus
+    the new ones: the same cache and the same logits, so the caller cannot tell (``restarted`` says it)."""
+
+    def __init__(self, backend: ModelBackend, inner: DecodeSession, max_length: int, resumed: bool):
+        self.backend = backend
+        self.inner = inner
+        self.max_length = max_length
+        self.resumed = resumed
+        self.restarted = False
+
+    @property
+    def position(self) -> int:
+        return self.inner.position
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.inner.token_ids
+
+    def step(self, token_ids: list[int]) -> torch.Tensor:
+        try:
+            return self.inner.step(token_ids)
+        except SessionLost as exc:
+            if not self.resumed:
+                raise
+            lost = exc
+        held = list(self.inner.token_ids)
+        with contextlib.suppress(Exception):
+            self.inner.close()
+        logger.info(
+            "a resumed session was lost (%s); re-prefilling %d tokens in a fresh one", lost, len(held)
+        )
+        self.inner = self.backend.open_session(self.max_length)
+        self.resumed, self.restarted = False, True
+        return self.inner.step(held + list(token_ids))
+
+    def rollback(self, position: int) -> None:
+        self.inner.rollback(position)
+
+    def detach(self) -> SessionSnapshot:
+        return self.inner.detach()  # type: ignore[attr-defined]
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+def _open_reusable(
+    backend: ModelBackend, max_length: int, snapshot: SessionSnapshot | None
+) -> _ReusableSession:
+    """Resume ``snapshot``'s session, or open a fresh one when there is none or its caches are gone."""
+    inner: DecodeSession | None = None
+    if snapshot is not None:
+        try:
+            inner = backend.open_session(max_length, resume=snapshot)  # type: ignore[call-arg]
+        except SwarmError as exc:  # expired, evicted, a server left: prefill afresh
+            logger.info("could not resume a cached session (%s); prefilling afresh", exc)
+        except Exception:
+            logger.warning("resuming a cached session failed; prefilling afresh", exc_info=True)
+    resumed = inner is not None
+    if inner is None:
+        inner = backend.open_session(max_length)
+    return _ReusableSession(backend, inner, max_length, resumed)
+
+
+@dataclass
+class _Reuse:
+    """Where a reusable choice's session goes when it finishes: the store, the claimed record id."""
+
+    store: AffinityStore
+    claim: Claim
+    replica: str
+
+
 class _SessionHandle:
     """Owns one ``DecodeSession``: its blocking calls run one at a time in a worker thread, and ``aclose``
-    waits for the call in flight (even an ``open_session`` whose caller was cancelled) before closing it."""
+    waits for the call in flight (even an ``open_session`` whose caller was cancelled) before closing it —
+    or, for a reusable choice that completed, detaching it and writing it back to the affinity store."""
 
-    def __init__(self, executor: Executor) -> None:
+    def __init__(self, executor: Executor, reuse: _Reuse | None = None) -> None:
         self._executor = executor
         self.session: DecodeSession | None = None
         self._opening: asyncio.Future[DecodeSession] | None = None
         self._inflight: asyncio.Future[Any] | None = None
         self._closed = False
+        self.reuse = reuse
+        #: set by the decode loop once the choice has finished normally: its caches are worth keeping
+        self.completed = False
+        #: when the request began opening this session: its time to first token counts from here
+        self.opened_at = time.perf_counter()
 
     async def call(self, fn: Callable[..., T], *args: Any) -> T:
         if self._closed:
@@ -143,9 +245,22 @@ class _SessionHandle:
         return await asyncio.shield(fut)
 
     async def open(self, backend: ModelBackend, max_length: int) -> None:
-        fut = asyncio.get_running_loop().run_in_executor(self._executor, backend.open_session, max_length)
+        if self.reuse is not None:
+            record = self.reuse.claim.record
+            snapshot = SessionSnapshot(record.state, record.token_ids) if record is not None else None
+            opener: Callable[[], DecodeSession] = functools.partial(
+                _open_reusable, backend, max_length, snapshot
+            )
+        else:
+            opener = functools.partial(backend.open_session, max_length)
+        fut = asyncio.get_running_loop().run_in_executor(self._executor, opener)
         self._opening = self._inflight = fut
         self.session = await asyncio.shield(fut)
+
+    @property
+    def cached_tokens_lost(self) -> bool:
+        """True when a resumed session had to be rebuilt from scratch (nothing was reused after all)."""
+        return bool(getattr(self.session, "restarted", False))
 
     async def aclose(self) -> None:
         if self._closed:
@@ -160,23 +275,48 @@ class _SessionHandle:
             opened = opening is not None and not opening.cancelled() and opening.exception() is None
             if self.session is None and opened:
                 self.session = opening.result()  # type: ignore[union-attr]
-            if self.session is not None:
-                try:
-                    await asyncio.get_running_loop().run_in_executor(self._executor, self.session.close)
-                except Exception:
-                    logger.exception("closing a decode session failed")
+            if self.session is None:
+                return
+            if self.reuse is not None and self.completed and await self._detach(self.reuse):
+                return
+            try:
+                await asyncio.get_running_loop().run_in_executor(self._executor, self.session.close)
+            except Exception:
+                logger.exception("closing a decode session failed")
+
+    async def _detach(self, reuse: _Reuse) -> bool:
+        """Keep the caches and record them; False if the session could not be detached (close it then)."""
+        if not reuse.store.available:  # nowhere to record it: free the caches now rather than at the TTL
+            return False
+        try:
+            snapshot = await asyncio.get_running_loop().run_in_executor(
+                self._executor,
+                self.session.detach,  # type: ignore[union-attr]
+            )
+        except Exception:
+            logger.warning("detaching a finished session failed; closing it", exc_info=True)
+            return False
+        await reuse.store.save(reuse.claim, snapshot.state, snapshot.token_ids, reuse.replica)
+        return True
 
 
 class Engine:
     """The gateway's head: request-level checks that need the model, and generation."""
 
-    def __init__(self, backend: ModelBackend, settings: GatewaySettings):
+    def __init__(self, backend: ModelBackend, settings: GatewaySettings, store: AffinityStore | None = None):
         self.backend = backend
         self.settings = settings
         self.tokenizer = backend.tokenizer
         self.vocab = TokenVocab(self.tokenizer)
         self.eos_ids = eos_token_ids(backend)
         self.executor = ThreadPoolExecutor(settings.backend_threads, thread_name_prefix="swarmserve-backend")
+        #: the app's metrics (gateway/metrics.py; set by ``install_metrics``); None: nothing is measured
+        self.metrics: GatewayMetrics | None = None
+        #: the affinity store, when both it and the backend can reuse sessions across requests
+        self.store = store if store is not None and getattr(backend, "supports_resume", False) else None
+        self.replica_id = (
+            settings.replica_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+        )
 
     def close(self) -> None:
         """Stop the worker threads (the backend belongs to the caller and stays open)."""
@@ -239,15 +379,14 @@ class Engine:
 
     # ---------------------------------------------------------------------------------------- generation
 
-    async def start(self, specs: Sequence[ChoiceSpec]) -> Generation:
-        """Open one session per choice; raise (nothing left open) if any cannot be opened."""
-        handles = [_SessionHandle(self.executor) for _ in specs]
+    async def start(self, specs: Sequence[ChoiceSpec], session_key: str | None = None) -> Generation:
+        """Open one session per choice; raise (nothing left open) if any cannot be opened. Choice 0 resumes
+        the cached session sharing the longest prefix with its prompt (``session_key``'s, when given)."""
+        reuse = await self._claim(specs[0], session_key) if specs else None
+        handles = [_SessionHandle(self.executor, reuse if i == 0 else None) for i in range(len(specs))]
         try:
             results = await asyncio.gather(
-                *(
-                    h.open(self.backend, len(s.prompt_ids) + s.max_tokens)
-                    for h, s in zip(handles, specs, strict=True)
-                ),
+                *(h.open(self.backend, self._max_length(s, h)) for h, s in zip(handles, specs, strict=True)),
                 return_exceptions=True,
             )
             errors = [r for r in results if isinstance(r, BaseException)]
@@ -261,16 +400,30 @@ class Engine:
         deadline = asyncio.get_running_loop().time() + timeout if timeout > 0 else None
         return Generation(self, list(specs), handles, deadline)
 
+    async def _claim(self, spec: ChoiceSpec, session_key: str | None) -> _Reuse | None:
+        if self.store is None or spec.prompt_logprobs:  # scoring the prompt feeds it token by token anyway
+            return None
+        claim = await self.store.claim(spec.prompt_ids, session_key)
+        return None if claim is None else _Reuse(self.store, claim, self.replica_id)
+
+    def _max_length(self, spec: ChoiceSpec, handle: _SessionHandle) -> int:
+        needed = len(spec.prompt_ids) + spec.max_tokens
+        if handle.reuse is None:
+            return needed
+        limit = self.backend.max_context
+        if self.settings.affinity_max_length is not None:
+            limit = min(limit, self.settings.affinity_max_length)
+        return max(needed, limit)
+
+    @staticmethod
+    def _reusable_prefix(held: Sequence[int], prompt_ids: Sequence[int]) -> int:
+        """Prompt tokens a session holding ``held`` need not be sent: the common prefix, but never the
+        whole prompt (its last token is fed again for its logits)."""
+        return min(common_prefix(held, prompt_ids), len(prompt_ids) - 1)
+
     def _prefill(self, session: DecodeSession, prompt_ids: list[int]) -> torch.Tensor:
         """Feed what the session does not hold yet; rolls back to the common prefix of a reused session."""
-        held = list(session.token_ids)
-        common = 0
-        for a, b in zip(held, prompt_ids, strict=False):
-            if a != b:
-                break
-            common += 1
-        if common == len(prompt_ids):  # the whole prompt is cached: recompute its last token's logits
-            common -= 1
+        common = self._reusable_prefix(session.token_ids, prompt_ids)
         if common < session.position:
             session.rollback(common)
         return session.step(prompt_ids[common:])
@@ -301,13 +454,16 @@ class Engine:
 
     def _first_token(
         self, session: DecodeSession, spec: ChoiceSpec, sampler: Sampler
-    ) -> tuple[int, TokenLogprob | None, list[TokenLogprob] | None]:
+    ) -> tuple[int, TokenLogprob | None, list[TokenLogprob] | None, int]:
+        """The first sampled token, its logprob, the prompt's logprobs, and the prompt tokens reused."""
         if spec.prompt_logprobs:
             logits, scored = self._score_prompt(session, spec.prompt_ids, spec.logprobs or 0)
+            cached = 0
         else:
+            cached = self._reusable_prefix(session.token_ids, spec.prompt_ids)
             logits, scored = self._prefill(session, spec.prompt_ids), None
         token, lp = self._sample(logits, sampler, spec.logprobs)
-        return token, lp, scored
+        return token, lp, scored, cached
 
     def _next_token(
         self, session: DecodeSession, token: int, sampler: Sampler, k: int | None
@@ -317,6 +473,7 @@ class Engine:
     async def _run_choice(self, spec: ChoiceSpec, handle: _SessionHandle) -> AsyncIterator[Delta]:
         """Decode one choice, yielding text as soon as it is final (no partial characters, no text that might
         still turn out to be a stop string). Closes the session however it ends."""
+        produced = reused = 0
         try:
             session = handle.session
             assert session is not None
@@ -325,8 +482,10 @@ class Engine:
             stopper = StopMatcher(spec.stop)
             pending: list[TokenLogprob] = []  # logprobs of tokens whose text is not out yet
             text, finish, produced = "", "length", 0
-            token, lp, prompt_lps = await handle.call(self._first_token, session, spec, sampler)
+            token, lp, prompt_lps, reused = await handle.call(self._first_token, session, spec, sampler)
+            clock = self._token_clock(handle.opened_at, first=True)
             while True:
+                cached = 0 if handle.cached_tokens_lost else reused
                 produced += 1
                 if token in self.eos_ids:
                     finish = "stop"
@@ -338,20 +497,40 @@ class Engine:
                     break
                 if text:
                     yield Delta(
-                        spec.index, text, pending, completion_tokens=produced, prompt_logprobs=prompt_lps
+                        spec.index,
+                        text,
+                        pending,
+                        completion_tokens=produced,
+                        prompt_logprobs=prompt_lps,
+                        cached_tokens=cached,
                     )
                     pending, prompt_lps, text = [], None, ""
                 if produced >= spec.max_tokens:
                     break
                 token, lp = await handle.call(self._next_token, session, token, sampler, spec.logprobs)
+                clock = self._token_clock(clock)
             if not stopper.stopped:  # release what was held: an incomplete character, a would-be stop string
                 text = stopper.push(detok.flush())
                 text += "" if stopper.stopped else stopper.flush()
             if stopper.stopped:
                 finish = "stop"
-            yield Delta(spec.index, text, pending, finish, produced, prompt_lps)
+            handle.completed = True
+            cached = 0 if handle.cached_tokens_lost else reused
+            yield Delta(spec.index, text, pending, finish, produced, prompt_lps, cached)
         finally:
+            if self.metrics is not None and produced:
+                cached = 0 if handle.cached_tokens_lost else reused
+                self.metrics.observe_usage(len(spec.prompt_ids), produced, cached)
             await handle.aclose()
+
+    def _token_clock(self, since: float, *, first: bool = False) -> float:
+        """Record the time to the first token (``since`` = the session's opening) or between two tokens;
+        return now, where the next token's time starts."""
+        now = time.perf_counter()
+        if self.metrics is not None:
+            histogram = self.metrics.time_to_first_token if first else self.metrics.inter_token_latency
+            histogram.observe(now - since)
+        return now
 
 
 class Generation:

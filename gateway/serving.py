@@ -2,10 +2,15 @@
 
 Everything that can be checked before generation is checked here, so a bad request is a 400 (a missing
 swarm a 503) before any stream starts; parameters we cannot honor are a 400 naming them.
+
+Session affinity: the ``X-Session-Id`` header, else the ``user`` field, names the conversation whose cached
+session the request resumes (without either, the engine matches the prompt's prefix); the prompt tokens it
+did not have to send are reported as ``usage.prompt_tokens_details.cached_tokens``.
 """
 
 from __future__ import annotations
 
+import json
 import uuid
 from collections.abc import Awaitable
 from typing import Any, TypeVar
@@ -14,7 +19,7 @@ import anyio
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from gateway.engine import ChoiceResult, ChoiceSpec, Engine
+from gateway.engine import ChoiceResult, ChoiceSpec, Delta, Engine
 from gateway.errors import InvalidRequestError, UnsupportedParameterError
 from gateway.logprobs import LegacyLogprobs, chat_logprobs
 from gateway.openai_schema import (
@@ -26,9 +31,10 @@ from gateway.openai_schema import (
     CompletionChoice,
     CompletionRequest,
     CompletionUsage,
+    PromptTokensDetails,
 )
 from gateway.sampling import SamplingParams, choice_seed
-from gateway.streaming import ChatChunkBuilder, CompletionChunkBuilder, event_stream
+from gateway.streaming import ChatChunkBuilder, ChunkBuilder, CompletionChunkBuilder, event_stream
 
 __all__ = ["create_chat_completion", "create_completion"]
 
@@ -36,6 +42,8 @@ T = TypeVar("T")
 
 #: HTTP 499: nginx's "client closed request" — nobody reads it, but logs and metrics do
 _CLIENT_CLOSED = 499
+#: names the conversation whose cached session a request continues (else the ``user`` field does)
+SESSION_HEADER = "x-session-id"
 
 
 async def create_chat_completion(engine: Engine, req: ChatCompletionRequest, request: Request) -> Response:
@@ -58,7 +66,7 @@ async def create_chat_completion(engine: Engine, req: ChatCompletionRequest, req
     ]
     model = engine.model_id
     completion_id = f"chatcmpl-{uuid.uuid4().hex}"
-    generation = await engine.start(specs)
+    generation = await engine.start(specs, _session_key(request, req.user))
 
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -71,7 +79,7 @@ async def create_chat_completion(engine: Engine, req: ChatCompletionRequest, req
             vocab=engine.vocab,
             logprobs=top_k is not None,
         )
-        return event_stream(generation, builder)
+        return event_stream(generation, _CachedTokensUsage(builder))
 
     results = await _cancel_on_disconnect(request, generation.collect())
     if results is None:
@@ -128,7 +136,7 @@ async def create_completion(engine: Engine, req: CompletionRequest, request: Req
     prompt_tokens = sum(len(ids) for ids, _ in prompts)
     model = engine.model_id
     completion_id = f"cmpl-{uuid.uuid4().hex}"
-    generation = await engine.start(specs)
+    generation = await engine.start(specs, _session_key(request, req.user))
 
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -140,7 +148,7 @@ async def create_completion(engine: Engine, req: CompletionRequest, request: Req
             vocab=engine.vocab,
             logprobs=k is not None,
         )
-        return event_stream(generation, builder)
+        return event_stream(generation, _CachedTokensUsage(builder))
 
     results = await _cancel_on_disconnect(request, generation.collect())
     if results is None:
@@ -316,11 +324,43 @@ def _logit_bias(engine: Engine, bias: dict[str, float] | None) -> dict[int, floa
     return out
 
 
+def _session_key(request: Request, user: str | None) -> str | None:
+    return request.headers.get(SESSION_HEADER) or user or None
+
+
 def _usage(prompt_tokens: int, results: list[ChoiceResult]) -> CompletionUsage:
     completion = sum(r.completion_tokens for r in results)
     return CompletionUsage(
-        completion_tokens=completion, prompt_tokens=prompt_tokens, total_tokens=prompt_tokens + completion
+        completion_tokens=completion,
+        prompt_tokens=prompt_tokens,
+        total_tokens=prompt_tokens + completion,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=sum(r.cached_tokens for r in results)),
     )
+
+
+class _CachedTokensUsage:
+    """A ``ChunkBuilder`` whose usage frame also reports ``prompt_tokens_details.cached_tokens`` (the
+    builders in gateway/streaming.py count completion tokens only)."""
+
+    def __init__(self, inner: ChunkBuilder):
+        self.inner = inner
+        self.cached: dict[int, int] = {}
+
+    def opening(self) -> list[str]:
+        return self.inner.opening()
+
+    def frames(self, delta: Delta) -> list[str]:
+        self.cached[delta.index] = delta.cached_tokens
+        return self.inner.frames(delta)
+
+    def usage(self) -> str | None:
+        frame = self.inner.usage()
+        cached = sum(self.cached.values())
+        if frame is None or not cached:
+            return frame
+        chunk = json.loads(frame)
+        chunk["usage"]["prompt_tokens_details"] = PromptTokensDetails(cached_tokens=cached).model_dump()
+        return json.dumps(chunk, separators=(",", ":"), ensure_ascii=False)
 
 
 async def _cancel_on_disconnect(request: Request, work: Awaitable[T]) -> T | None:

@@ -34,10 +34,42 @@ class GatewaySettings(BaseSettings):
     retry_after_s: int = Field(default=5, ge=0)
     #: session-affinity store; None = in-memory (one gateway replica)
     redis_url: str | None = None
+    #: resume the servers' KV caches of earlier requests that share the prompt's prefix (gateway/sessions.py)
+    affinity: bool = True
+    #: how long a finished session stays resumable: the workers' ``--session-ttl``
+    affinity_ttl_s: float = Field(default=300.0, gt=0)
+    #: granularity (tokens) of the prefix index that finds the longest cached prefix
+    affinity_block_tokens: int = Field(default=16, ge=1)
+    #: ``max_length`` of reusable sessions (default: the context window, so any later turn fits); lower it
+    #: when workers run with ``--cache-tokens`` below the context window, which they would refuse
+    affinity_max_length: int | None = Field(default=None, ge=1)
+    #: this replica's name in affinity records (default: host, pid and a random suffix)
+    replica_id: str | None = None
     initial_peers: Annotated[list[str], NoDecode] = Field(default_factory=list)
     log_level: str = "info"
 
-    @field_validator("cors_origins", "initial_peers", mode="before")
+    # access control and limits (gateway/auth.py, gateway/ratelimit.py, gateway/limits.py)
+    #: accepted API keys (``Authorization: Bearer <key>``); none here nor in ``api_keys_file``: API open
+    api_keys: Annotated[list[str], NoDecode] = Field(default_factory=list, repr=False)
+    #: a file of API keys, one per line, ``#`` comments
+    api_keys_file: str | None = None
+    #: paths served without a key (``/prefix*`` for a prefix)
+    auth_exempt_paths: Annotated[list[str], NoDecode] = Field(default_factory=lambda: ["/health", "/metrics"])
+    #: per key, on the generation routes, requests / tokens (prompt + max_tokens) per minute; 0 = no limit.
+    #: Counted in ``redis_url`` when set (shared by replicas), else in this process
+    rate_limit_rpm: int = Field(default=0, ge=0)
+    rate_limit_tpm: int = Field(default=0, ge=0)
+    #: a tiktoken ``.tiktoken`` BPE file to count tokens for the TPM limit instead of the model's tokenizer
+    rate_limit_tiktoken_file: str | None = None
+    #: largest request body accepted (413 above it, before parsing); 0 = no limit
+    max_body_bytes: int = Field(default=8 * 2**20, ge=0)
+    #: streaming requests running at once; 0 = no limit
+    max_concurrent_streams: int = Field(default=0, ge=0)
+    #: streaming requests that may wait for a slot (503 + Retry-After beyond), and for how long at most
+    max_queued_streams: int = Field(default=32, ge=0)
+    stream_queue_timeout_s: float = Field(default=30.0, ge=0)
+
+    @field_validator("cors_origins", "initial_peers", "api_keys", "auth_exempt_paths", mode="before")
     @classmethod
     def _split_list(cls, value: Any) -> Any:
         if isinstance(value, str):

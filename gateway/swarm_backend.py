@@ -9,11 +9,15 @@ Errors: swarm failures surface as ``swarm_client.errors.SwarmError`` (``NoRouteE
 blocks), which ``gateway.errors`` maps to 503 + Retry-After. ``open_session`` checks that a route exists so
 a request for an uncovered model fails *before* its stream starts; transport errors that escape the client
 library (a dead p2p daemon) are re-raised as ``PeerError`` so they too are a 503, not a 500.
+
+Reuse across requests: ``SwarmSession.detach()`` closes the streams with ``keep_on_close`` (the servers keep
+the caches for their ``--session-ttl``) and returns ``InferenceSession.export_state()`` — every hop's peer id
+and server session id — plus the token ids; ``open_session(resume=snapshot)`` re-attaches to exactly those
+server sessions (``InferenceSession.resume``), from this process or any other gateway replica.
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import threading
 from collections.abc import Iterator
@@ -23,10 +27,11 @@ from typing import Any
 import torch
 from transformers import AutoTokenizer
 
+from gateway.backend import SessionSnapshot
 from swarm_client import runtime
 from swarm_client.config import default_dht_prefix, parse_initial_peers
 from swarm_client.dht_records import ServerState
-from swarm_client.errors import PeerError, SwarmError
+from swarm_client.errors import PeerError, SessionNotFoundError, SwarmError
 from swarm_client.model import AutoDistributedModelForCausalLM, DistributedModelForCausalLM
 from swarm_client.model_source import resolve_model_path
 from swarm_client.routing import coverage, missing_blocks
@@ -42,7 +47,7 @@ def _as_swarm_errors() -> Iterator[None]:
         yield
     except (SwarmError, ValueError):
         raise
-    except (OSError, asyncio.TimeoutError, RuntimeError) as exc:
+    except (TimeoutError, OSError, RuntimeError) as exc:
         raise PeerError(f"swarm transport failed: {type(exc).__name__}: {exc}") from exc
 
 
@@ -100,6 +105,17 @@ class SwarmSession:
         finally:
             self.backend._forget(self)
 
+    def detach(self) -> SessionSnapshot:
+        """Close the streams but have the servers keep the caches; what ``open_session(resume=...)`` needs."""
+        if self.closed:
+            raise RuntimeError("detach() on a closed session")
+        state = self.inner.export_state()
+        state["token_ids"] = []  # ours are flat ids, kept in the snapshot; the inner ones are per batch row
+        snapshot = SessionSnapshot(state, list(self.token_ids))
+        self.inner.keep_on_close = True
+        self.close()
+        return snapshot
+
 
 class SwarmBackend:
     """A model whose blocks are served by the swarm found through ``initial_peers``.
@@ -142,6 +158,9 @@ class SwarmBackend:
         self._sessions: set[SwarmSession] = set()
         self._closed = False
 
+    #: sessions can be detached and resumed (gateway/backend.py)
+    supports_resume = True
+
     @property
     def manager(self) -> Any:
         return self.model.manager
@@ -151,17 +170,39 @@ class SwarmBackend:
         with self._lock:
             return len(self._sessions)
 
-    def open_session(self, max_length: int, session_id: str | None = None) -> SwarmSession:
-        """A session whose route is known to exist (else ``NoRouteError``: a 503 before any stream starts)."""
+    def open_session(
+        self, max_length: int, session_id: str | None = None, resume: SessionSnapshot | None = None
+    ) -> SwarmSession:
+        """A session whose route is known to exist (else ``NoRouteError``: a 503 before any stream starts),
+        or with ``resume`` the detached session it describes (``SessionNotFoundError`` if that is gone)."""
         if max_length > self.max_context:
             raise ValueError(f"max_length {max_length} exceeds the context window {self.max_context}")
         if self._closed:
             raise PeerError("the gateway's swarm client is shut down")
+        if resume is not None:
+            return self._resume(max_length, resume)
         with _as_swarm_errors():
             # the same call the session's first step makes; it re-reads the DHT once before giving up
             runtime.run(self.manager.make_route(0, self.num_blocks, cache_tokens_needed=max_length))
         inner = self.model.blocks.inference_session(max_length, batch_size=1, session_id=session_id)
         session = SwarmSession(self, inner, max_length, session_id)
+        with self._lock:
+            self._sessions.add(session)
+        return session
+
+    def _resume(self, max_length: int, snapshot: SessionSnapshot) -> SwarmSession:
+        state = snapshot.state
+        held = int(state.get("position", 0))
+        if int(state.get("max_length", 0)) < max_length:
+            raise SessionNotFoundError(f"the cached session holds at most {state.get('max_length')} tokens")
+        if (state.get("start"), state.get("end")) != (0, self.num_blocks) or len(snapshot.token_ids) > held:
+            raise SessionNotFoundError("the snapshot does not describe a whole-model session of this model")
+        with _as_swarm_errors():
+            inner = InferenceSession.resume(self.manager, state, keep_on_close=False)
+        session = SwarmSession(self, inner, inner.max_length, inner.session_id)
+        if len(snapshot.token_ids) < inner.position:
+            inner.rollback(len(snapshot.token_ids))
+        session.token_ids = list(snapshot.token_ids)
         with self._lock:
             self._sessions.add(session)
         return session

@@ -1,19 +1,45 @@
-"""What a block server announces on the DHT, and the two functions that write and read it.
+"""What a block server announces on the DHT, and the functions that write, read and guard it.
 
-Key: ``"{dht_prefix}.{block_index}"``; subkey: the server's peer id (base58); value: ``ServerInfo`` as a dict.
-Records expire unless the server refreshes them, so a crashed server disappears by itself.
+Key: ``"{dht_prefix}.{block_index}"``; subkey: ``b"<peer id>[owner:<RSA public key>]"``; value: ``ServerInfo``
+as a dict. Records expire unless the server refreshes them, so a crashed server disappears by itself.
+
+Why the subkey carries a key: every swarm DHT node runs hivemind's ``RSASignatureValidator``, so a value
+stored under a subkey holding a public key must be signed by the matching private key — nobody can
+overwrite another server's record. A server's libp2p identity is that same RSA key, so its peer id is
+a hash of the key; readers recompute it (``owner_peer_id``) and drop records whose claimed peer id does
+not match, so a peer cannot announce spans in another server's name either. A ``SchemaValidator`` (strict
+pydantic v1 types, as hivemind requires) rejects malformed values under ``{prefix}.{i}`` on storing nodes.
 """
 
 from __future__ import annotations
 
 import enum
+import functools
+import hashlib
+import os
+import re
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional  # noqa: UP035 - pydantic v1 schemas (hivemind) want typing generics
 
+import pydantic.v1 as pv1
+from cryptography.exceptions import UnsupportedAlgorithm
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric import rsa
+from hivemind.dht.crypto import RSASignatureValidator
+from hivemind.dht.schema import SchemaValidator, conbytes
+from hivemind.dht.validation import RecordValidatorBase
+from hivemind.p2p import PeerID
+from hivemind.proto import crypto_pb2
+from hivemind.utils.crypto import RSAPrivateKey
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 PROTOCOL_VERSION = "1"
+#: blocks covered by the schema of a node that knows the model's prefix but not its depth (bootstrap)
+MAX_SCHEMA_BLOCKS = 256
+_BASE58 = rb"[1-9A-HJ-NP-Za-km-z]"
+_SUBKEY_RE = re.compile(rb"(" + _BASE58 + rb"{32,128})\[owner:(.+?)\]", re.DOTALL)
 
 
 class ServerState(enum.IntEnum):
@@ -40,6 +66,7 @@ class ServerInfo(BaseModel):
     def to_wire(self) -> dict:
         data = self.model_dump(mode="json")
         data["state"] = int(self.state)
+        data["throughput"] = float(self.throughput)
         data["addrs"] = list(self.addrs)
         return data
 
@@ -79,19 +106,143 @@ def block_uids(dht_prefix: str, start: int, end: int) -> list[str]:
     return [f"{dht_prefix}.{i}" for i in range(start, end)]
 
 
+# ---------------------------------------------------------------------------------------- identity
+def _signing_key() -> RSAPrivateKey:
+    """The key this process signs records with: hivemind's process-wide key, the default of
+    ``RSASignatureValidator()``, so validators made anywhere in the process agree on it."""
+    return RSAPrivateKey.process_wide()
+
+
+def _owner_marker(key: RSAPrivateKey) -> bytes:
+    return RSASignatureValidator.PUBLIC_KEY_FORMAT.replace(b"_key_", key.get_public_key().to_bytes())
+
+
+@functools.lru_cache(maxsize=4096)
+def _peer_id_of_ssh_key(ssh_key: bytes) -> str | None:
+    """libp2p's peer id of an RSA key: sha2-256 multihash of the protobuf-wrapped DER public key."""
+    try:
+        key = serialization.load_ssh_public_key(ssh_key)
+    except (ValueError, TypeError, UnsupportedAlgorithm):
+        return None
+    if not isinstance(key, rsa.RSAPublicKey):
+        return None
+    der = key.public_bytes(serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo)
+    encoded = crypto_pb2.PublicKey(key_type=crypto_pb2.RSA, data=der).SerializeToString()
+    return PeerID(b"\x12\x20" + hashlib.sha256(encoded).digest()).to_base58()
+
+
+def write_identity(directory: str | os.PathLike) -> dict[str, Any]:
+    """Write this process's signing key as a libp2p identity file in ``directory``; returns the extra
+    ``DHT(...)`` kwargs that make the node's peer id a hash of that key (so its records verify).
+
+    The file only has to exist while the DHT starts (p2pd reads it once)."""
+    path = os.path.join(os.fspath(directory), "swarmserve.id")
+    data = crypto_pb2.PrivateKey(key_type=crypto_pb2.KeyType.RSA, data=_signing_key().to_bytes())
+    with open(path, "wb") as f:
+        f.write(data.SerializeToString())
+    os.chmod(path, 0o400)
+    return {"identity_path": path, "check_if_identity_free": False}
+
+
+def record_subkey(peer_id: str) -> bytes:
+    """Our subkey: peer id + owner marker, so the DHT signs our records and readers can verify the id."""
+    return peer_id.encode() + _owner_marker(_signing_key())
+
+
+def owner_peer_id(subkey: object) -> str | None:
+    """The peer id a subkey may speak for, or None: the claimed id must be the hash of the key in it."""
+    if not isinstance(subkey, bytes):
+        return None
+    match = _SUBKEY_RE.fullmatch(subkey)
+    if match is None:
+        return None
+    claimed, ssh_key = match.group(1).decode(), match.group(2)
+    return claimed if _peer_id_of_ssh_key(ssh_key) == claimed else None
+
+
+# ---------------------------------------------------------------------------------------- validators
+class _WireRecord(pv1.BaseModel):
+    """Strict wire shape of ``ServerInfo.to_wire()``; extra fields pass (newer servers stay readable)."""
+
+    state: pv1.conint(strict=True, ge=0, le=2)  # type: ignore[valid-type]
+    start_block: pv1.conint(strict=True, ge=0)  # type: ignore[valid-type]
+    end_block: pv1.conint(strict=True, gt=0)  # type: ignore[valid-type]
+    throughput: pv1.confloat(strict=True, ge=0.0)  # type: ignore[valid-type]
+    cache_tokens_left: pv1.conint(strict=True, ge=0)  # type: ignore[valid-type]
+    version: pv1.StrictStr
+    dtype: pv1.StrictStr
+    public_name: Optional[pv1.StrictStr]  # noqa: UP045
+    addrs: List[pv1.StrictStr]  # noqa: UP006
+
+    class Config:
+        extra = pv1.Extra.allow
+
+
+_Subkey = conbytes(
+    regex=rb"^" + _BASE58 + rb"{32,128}" + RSASignatureValidator.PUBLIC_KEY_REGEX + rb"\Z", max_length=4096
+)
+
+
+@functools.lru_cache(maxsize=16)
+def _block_schema(dht_prefix: str, num_blocks: int) -> type[pv1.BaseModel]:
+    fields: dict[str, Any] = {
+        key: (Optional[Dict[_Subkey, _WireRecord]], None)  # noqa: UP006, UP045
+        for key in block_uids(dht_prefix, 0, num_blocks)
+    }
+    name = "BlockRecords_" + re.sub(r"\W", "_", dht_prefix)
+    return pv1.create_model(name, **fields)
+
+
+def record_validators(
+    dht_prefix: str | None = None, num_blocks: int | None = None
+) -> list[RecordValidatorBase]:
+    """Validators for every swarm DHT node: owner signatures always, the record schema when the model's
+    prefix is known (keys are hashed on the wire, so a node can only check keys it can name).
+
+    Signing uses this process's key; start the node with ``write_identity`` so its peer id matches it."""
+    validators: list[RecordValidatorBase] = [RSASignatureValidator(_signing_key())]
+    if dht_prefix is not None:
+        schema = _block_schema(dht_prefix, num_blocks or MAX_SCHEMA_BLOCKS)
+        validators.append(SchemaValidator(schema, allow_extra_keys=True))
+    return validators
+
+
+def _ensure_can_read(dht) -> None:
+    """A DHT made without our validators cannot even decode signed values (hivemind appends the
+    signature to the value bytes): give it the signature validator on first use."""
+    if getattr(dht, "_swarmserve_validated", False):
+        return
+    dht.add_validators([RSASignatureValidator(_signing_key())])  # merges into an existing one: no-op then
+    dht._swarmserve_validated = True
+
+
+def mark_validated(dht) -> None:
+    """Note that ``dht`` was created with ``record_validators`` (skips the check in reads)."""
+    dht._swarmserve_validated = True
+
+
+# ---------------------------------------------------------------------------------------- I/O
 def declare_span(dht, dht_prefix: str, start: int, end: int, info: ServerInfo, expiration: float) -> bool:
-    """Store ``info`` under every block of ``[start, end)`` (subkey = our peer id); blocking."""
+    """Store ``info`` under every block of ``[start, end)`` under our signed subkey; blocking."""
     peer_id = dht.peer_id.to_base58()
+    subkey = record_subkey(peer_id)
+    if owner_peer_id(subkey) != peer_id:
+        raise ValueError(
+            "this DHT's peer id is not derived from the record-signing key; create it with "
+            "record_validators() and write_identity() or nobody will accept its records"
+        )
     expiration_time = time.time() + expiration  # hivemind wants absolute DHT time
+    value = info.to_wire()
     futures = [
-        dht.store(uid, subkey=peer_id, value=info.to_wire(), expiration_time=expiration_time, return_future=True)
+        dht.store(uid, subkey=subkey, value=value, expiration_time=expiration_time, return_future=True)
         for uid in block_uids(dht_prefix, start, end)
     ]
     return all(bool(f.result()) for f in futures)
 
 
 def fetch_block_records(dht, dht_prefix: str, num_blocks: int) -> list[dict[str, ServerInfo]]:
-    """For each block, ``{peer_id: ServerInfo}`` of the valid, unexpired records found; blocking."""
+    """For each block, ``{peer_id: ServerInfo}`` of the valid, unexpired, owner-verified records; blocking."""
+    _ensure_can_read(dht)
     uids = block_uids(dht_prefix, 0, num_blocks)
     futures = [dht.get(uid, latest=True, return_future=True) for uid in uids]
     result: list[dict[str, ServerInfo]] = []
@@ -100,9 +251,10 @@ def fetch_block_records(dht, dht_prefix: str, num_blocks: int) -> list[dict[str,
         per_peer: dict[str, ServerInfo] = {}
         if entry is not None and isinstance(entry.value, dict):
             for subkey, item in entry.value.items():
+                peer_id = owner_peer_id(subkey)
                 info = ServerInfo.from_wire(getattr(item, "value", None))
-                if info is not None and isinstance(subkey, str):
-                    per_peer[subkey] = info
+                if info is not None and peer_id is not None:
+                    per_peer[peer_id] = info
         result.append(per_peer)
     return result
 

@@ -54,7 +54,7 @@ async def _call_stream(
 
     try:
         out, meta = await asyncio.wait_for(call(), manager.config.request_timeout)
-    except asyncio.TimeoutError as e:
+    except TimeoutError as e:
         raise PeerTimeout(f"{method} on {peer_id} timed out", peer_id) from e
     except Exception as e:
         raise PeerError(f"{method} on {peer_id} failed: {e}", peer_id) from e
@@ -109,7 +109,7 @@ async def _run_span(
                 None if prompts is None else prompts[hop.start - start : hop.end - start], dtype
             )
             try:
-                (out,) = await _call_stream(
+                outputs = await _call_stream(
                     manager,
                     hop.peer_id,
                     "rpc_forward",
@@ -118,6 +118,9 @@ async def _run_span(
                     start_block=hop.start,
                     end_block=hop.end,
                 )
+                if len(outputs) != 1:
+                    raise PeerError(f"{hop.peer_id} sent {len(outputs)} tensors, not 1", hop.peer_id)
+                (out,) = outputs
                 expected = (hop.end - hop.start, *x.shape) if output_hidden_states else tuple(x.shape)
                 if tuple(out.shape) != expected or not torch.isfinite(out).all():
                     raise PeerError(
@@ -254,8 +257,8 @@ class RemoteSequential(nn.Module):
             or prompts.shape[3] != hidden.shape[2]
         ):
             raise InvalidInputError(
-                f"deep prompts must be [{len(self)} blocks, {hidden.shape[0]} or 1, prefix <= {hidden.shape[1]}, "
-                f"{hidden.shape[2]}], got {tuple(prompts.shape)}"
+                f"deep prompts must be [{len(self)} blocks, {hidden.shape[0]} or 1, prefix <= "
+                f"{hidden.shape[1]}, {hidden.shape[2]}], got {tuple(prompts.shape)}"
             )
 
     def forward(self, hidden: torch.Tensor, prompts: torch.Tensor | None = None) -> torch.Tensor:

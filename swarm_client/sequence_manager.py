@@ -12,7 +12,14 @@ from hivemind.p2p import P2P, PeerID
 from hivemind.proto import runtime_pb2
 
 from swarm_client import protocol
-from swarm_client.dht_records import RemoteSpanInfo, ServerState, fetch_block_records, spans_from_records
+from swarm_client.dht_records import (
+    RemoteSpanInfo,
+    ServerState,
+    fetch_block_records,
+    mark_validated,
+    record_validators,
+    spans_from_records,
+)
 from swarm_client.errors import NoRouteError, PeerError, PeerTimeout
 from swarm_client.routing import BanList, RouteHop, find_route, missing_blocks
 
@@ -44,8 +51,16 @@ class ClientConfig:
 class SequenceManager:
     def __init__(self, config: ClientConfig, dht: DHT | None = None):
         self.config = config
-        self.dht = dht or DHT(initial_peers=config.initial_peers, client_mode=True, start=True)
-        self._owns_dht = dht is None
+        if dht is None:  # validators: signed records are verified (and unwrapped) on every read
+            validators = record_validators(config.dht_prefix, config.num_blocks)
+            dht = DHT(
+                initial_peers=config.initial_peers, client_mode=True, start=True, record_validators=validators
+            )
+            mark_validated(dht)
+            self._owns_dht = True
+        else:
+            self._owns_dht = False
+        self.dht = dht
         self.bans = BanList(base=config.ban_base, max_ban=config.ban_max)
         self.spans: dict[str, RemoteSpanInfo] = {}
         self.rtt: dict[str, float] = {}

@@ -90,6 +90,16 @@ def select_names(names: Sequence[str] | Mapping[str, Any], prefixes: Sequence[st
     return sorted(name for name in names if name.startswith(wanted))
 
 
+def shard_files(model_dir: str | os.PathLike[str], prefixes: Sequence[str]) -> list[str]:
+    """The checkpoint files (relative names) holding tensors under any of ``prefixes``, sorted.
+
+    Reads only ``model.safetensors.index.json`` (or the single file's header), so it answers before any
+    shard is on disk: this is how a server knows which shards of a Hub repo its span needs.
+    """
+    weight_map = _weight_map(_model_dir(model_dir))
+    return sorted({weight_map[name] for name in select_names(weight_map, prefixes)})
+
+
 def load_tensors(
     model_dir: str | os.PathLike[str],
     prefixes: Sequence[str],
@@ -125,6 +135,12 @@ def load_tensors(
     by_file: dict[str, list[str]] = {}
     for name in names:
         by_file.setdefault(weight_map[name], []).append(name)
+
+    absent = sorted(f for f in by_file if not (path / f).is_file())
+    if absent:
+        from swarm_client.model_source import fetch_hub_files
+
+        fetch_hub_files(path, absent)  # a lazily fetched Hub snapshot gets them now; elsewhere a no-op
 
     device_str = str(device)
     out: dict[str, torch.Tensor] = {}

@@ -3,7 +3,7 @@
 import httpx
 import openai
 import pytest
-from gateway_fixtures import (
+from tests.gateway_fixtures import (
     BrokenStateBackend,
     Gateway,
     NoRouteBackend,

@@ -15,10 +15,10 @@ from collections.abc import Iterator
 import httpx
 import openai
 import pytest
-from gateway_fixtures import Gateway, start_gateway
 
 from gateway import LocalBackend
 from gateway.swarm_backend import SwarmBackend
+from tests.gateway_fixtures import Gateway, start_gateway
 from tests.swarm_fixtures import Swarm, swarm
 
 pytestmark = pytest.mark.slow

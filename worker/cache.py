@@ -5,12 +5,17 @@ serves, for one sequence of the batch. Caches grow on demand (doubling, capped a
 ``max_length``) instead of reserving ``max_length`` up front as Petals does, so short chats leave room
 for many concurrent sessions. Sessions whose stream ended can be kept *detached* for ``session_ttl``
 seconds so a later stream resumes them; detached sessions are evicted LRU when space is needed.
+
+Abuse limits: at most ``max_sessions_per_peer`` attached sessions per remote peer and ``max_sessions``
+sessions in all (detached ones are evicted first). Nothing here runs on a timer: the server calls
+``expire()`` periodically so detached sessions go even when no request arrives.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -63,6 +68,7 @@ class CacheManager:
         device: torch.device | str = "cpu",
         session_ttl: float = 0.0,
         max_sessions_per_peer: int = 64,
+        max_sessions: int = 4096,
     ):
         self.max_tokens = max_tokens
         self.num_layers = num_layers
@@ -71,8 +77,11 @@ class CacheManager:
         self.device = torch.device(device)
         self.session_ttl = session_ttl
         self.max_sessions_per_peer = max_sessions_per_peer
+        self.max_sessions = max_sessions
         self.sessions: dict[str, SessionCache] = {}
         self.used_slots = 0
+        #: attached sessions per owner peer (kept in step with ``sessions``: counting them is O(n) per open)
+        self._owned: Counter[str] = Counter()
 
     @property
     def tokens_left(self) -> int:
@@ -93,19 +102,49 @@ class CacheManager:
                 f"batch_size * max_length = {batch_size * max_length} token slots exceeds this server's whole "
                 f"cache budget of {self.max_tokens}; ask for a shorter max_length or use another server"
             )
-        if owner is not None:
-            owned = sum(1 for s in self.sessions.values() if s.owner == owner and s.attached)
-            if owned >= self.max_sessions_per_peer:
-                raise CacheExhaustedError(f"too many open sessions from one peer (limit {self.max_sessions_per_peer})")
+        self._check_owner(owner)
+        self._make_session_room()
         layers = self.num_layers if num_layers is None else num_layers
-        cache = SessionCache(session_id, batch_size, max_length, layers, self.layout, self.dtype, self.device, owner=owner)
+        cache = SessionCache(session_id, batch_size, max_length, layers, self.layout, self.dtype, self.device)
         self.sessions[session_id] = cache
+        self._attach(cache, owner)
         try:
             self.ensure_capacity(cache, min(max_length, MIN_CAPACITY))
         except BaseException:
-            del self.sessions[session_id]
+            self.free(session_id)
             raise
         return cache
+
+    def _check_owner(self, owner: str | None) -> None:
+        if owner is not None and self._owned[owner] >= self.max_sessions_per_peer:
+            limit = self.max_sessions_per_peer
+            raise CacheExhaustedError(f"too many open sessions from one peer (limit {limit})")
+
+    def _make_session_room(self) -> None:
+        """Keep the session count under ``max_sessions``: expire, then evict detached sessions LRU."""
+        if len(self.sessions) < self.max_sessions:
+            return
+        self.expire()
+        detached = sorted((s for s in self.sessions.values() if not s.attached), key=lambda s: s.last_used)
+        for victim in detached[: len(self.sessions) - self.max_sessions + 1]:
+            self.free(victim.session_id)
+        if len(self.sessions) >= self.max_sessions:
+            raise CacheExhaustedError(
+                f"server holds its maximum of {self.max_sessions} sessions; "
+                "retry later or route to another server"
+            )
+
+    def _attach(self, cache: SessionCache, owner: str | None) -> None:
+        cache.attached, cache.owner = True, owner
+        if owner is not None:
+            self._owned[owner] += 1
+
+    def _detach(self, cache: SessionCache) -> None:
+        if cache.attached and cache.owner is not None:
+            self._owned[cache.owner] -= 1
+            if self._owned[cache.owner] <= 0:
+                del self._owned[cache.owner]
+        cache.attached, cache.owner = False, None
 
     def resume(self, session_id: str, owner: str | None = None) -> SessionCache:
         self.expire()
@@ -114,8 +153,8 @@ class CacheManager:
             raise SessionNotFoundError(f"session {session_id!r} is not on this server (expired, evicted or never opened)")
         if cache.attached:
             raise InvalidInputError(f"session {session_id!r} is in use by another stream")
-        cache.attached = True
-        cache.owner = owner
+        self._check_owner(owner)
+        self._attach(cache, owner)
         cache.touch()
         return cache
 
@@ -164,8 +203,7 @@ class CacheManager:
         if cache is None:
             return
         if keep and self.session_ttl > 0:
-            cache.attached = False
-            cache.owner = None
+            self._detach(cache)
             cache.touch()
         else:
             self.free(session_id)
@@ -173,6 +211,7 @@ class CacheManager:
     def free(self, session_id: str) -> None:
         cache = self.sessions.pop(session_id, None)
         if cache is not None:
+            self._detach(cache)
             self.used_slots -= cache.slots
             cache.kv = []
             cache.capacity = 0

@@ -8,23 +8,31 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import AsyncIterator  # noqa: UP035 - hivemind detects streams by typing.AsyncIterator only
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
 from hivemind.p2p import P2PContext
 from hivemind.proto import runtime_pb2
+from hivemind.utils.streaming import combine_from_streaming
 
 from swarm_client import protocol
 from swarm_client.errors import InvalidInputError, LengthExceededError, RemoteError, error_to_wire
 from worker.cache import CacheManager, SessionCache
 from worker.batcher import StepBatcher
 from worker.compute import SpanRunner, StepItem
+from worker.metrics import WorkerMetrics
 
 logger = logging.getLogger(__name__)
+
+#: dtypes a tensor may arrive in (wire name → bytes per value once decoded); anything else is refused
+WIRE_DTYPES = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8}
+WIRE_MAX_NDIM = 4
+_NONE, _FLOAT16 = runtime_pb2.CompressionType.NONE, runtime_pb2.CompressionType.FLOAT16
 
 
 class HandlerLimits:
@@ -59,7 +67,7 @@ class BlockHandler(protocol.BlockRPC):
         self.info = info
         self.limits = limits or HandlerLimits()
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="compute")
-        self.batcher = StepBatcher(runner, self.executor)
+        self.batcher = StepBatcher(runner, self.executor, single_stream=lambda: self.active_streams <= 1)
         self.accepting = True
         #: test-only fault injection: "nan", "hang" or "wrong-shape" after ``fault_after`` inference steps
         self.fault: str | None = None
@@ -67,11 +75,90 @@ class BlockHandler(protocol.BlockRPC):
         self.tokens_processed = 0
         self.inference_steps = 0
         self.active_streams = 0
+        #: the server's Prometheus metrics (worker/metrics.py), set by the server; None: not measured
+        self.metrics: WorkerMetrics | None = None
 
     async def _compute(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
 
     # ---------------------------------------------------------------- validation
+    def _check_wire_tensor(self, t: runtime_pb2.Tensor, complete: bool = True) -> None:
+        """Judge a serialized tensor by its header and byte count alone, so a lying ``size`` or a huge
+        buffer is refused before any memory is allocated for it (``complete``: the buffer is whole)."""
+        if t.compression not in (_NONE, _FLOAT16):
+            raise InvalidInputError(f"unsupported tensor compression {t.compression!r} (use none or float16)")
+        itemsize = WIRE_DTYPES.get(t.dtype)
+        if itemsize is None or (t.compression == _FLOAT16 and t.dtype == "bfloat16"):
+            wanted = sorted(WIRE_DTYPES)
+            raise InvalidInputError(f"unsupported tensor dtype {t.dtype[:32]!r}; expected one of {wanted}")
+        shape = list(t.size)
+        if not 1 <= len(shape) <= WIRE_MAX_NDIM:
+            raise InvalidInputError(f"tensor of {len(shape)} dimensions; expected 1 to {WIRE_MAX_NDIM}")
+        numel, limit = math.prod(shape), self.limits.max_tensor_bytes
+        size = max(numel * itemsize, len(t.buffer))
+        if size > limit:
+            raise InvalidInputError(f"tensor of {size} bytes exceeds the server's limit of {limit}")
+        if not complete:
+            return
+        if t.compression == _FLOAT16:
+            expected = (2 * numel,)
+        elif t.dtype == "bfloat16":
+            expected = (2 * numel, 4 * numel)  # hivemind's legacy codec widens bfloat16 to float32
+        else:
+            expected = (itemsize * numel,)
+        if len(t.buffer) not in expected:
+            raise InvalidInputError(
+                f"tensor buffer of {len(t.buffer)} bytes does not match shape {shape} of {t.dtype} "
+                f"({expected[0]} bytes)"
+            )
+
+    def _deserialize(self, serialized: Sequence[runtime_pb2.Tensor], max_count: int) -> list[torch.Tensor]:
+        """Checked ``protocol.deserialize``: whatever a peer sends ends in InvalidInputError, not a crash."""
+        if len(serialized) > max_count:
+            raise InvalidInputError(f"expected at most {max_count} tensor(s), got {len(serialized)}")
+        tensors = []
+        for t in serialized:
+            self._check_wire_tensor(t)
+            try:
+                tensors.append(protocol.deserialize(t))
+            except Exception as e:
+                raise InvalidInputError(f"malformed tensor: {e}") from e
+        return tensors
+
+    @staticmethod
+    def _unpack(raw: bytes) -> dict:
+        try:
+            return protocol.unpack_metadata(raw)
+        except Exception as e:
+            raise InvalidInputError(f"malformed metadata: {type(e).__name__}") from e
+
+    async def _gather(
+        self, requests: AsyncIterator[runtime_pb2.ExpertRequest], max_count: int
+    ) -> tuple[list[torch.Tensor], dict]:
+        """Like ``protocol.gather_message``, but stops reading as soon as the request outgrows the limits."""
+        metadata: dict | None = None
+        done: list[runtime_pb2.Tensor] = []
+        parts: list[runtime_pb2.Tensor] = []
+        received, budget = 0, max_count * self.limits.max_tensor_bytes
+        async for message in requests:
+            if metadata is None:
+                metadata = self._unpack(message.metadata)
+            for part in message.tensors:
+                if part.dtype:  # the first chunk of a tensor carries its header
+                    if parts:
+                        done.append(combine_from_streaming(parts))
+                        parts = []
+                    if len(done) >= max_count:
+                        raise InvalidInputError(f"expected at most {max_count} tensor(s)")
+                    self._check_wire_tensor(part, complete=False)
+                received += len(part.buffer)
+                if received > budget:
+                    raise InvalidInputError(f"request of over {budget} bytes exceeds the server's limit")
+                parts.append(part)
+        if parts:
+            done.append(combine_from_streaming(parts))
+        return self._deserialize(done, max_count), metadata or {}
+
     def _check_hidden(self, tensors: list[torch.Tensor], count: int = 1) -> list[torch.Tensor]:
         if len(tensors) != count:
             raise InvalidInputError(f"expected {count} tensor(s), got {len(tensors)}")
@@ -110,9 +197,7 @@ class BlockHandler(protocol.BlockRPC):
             "tokens_processed": self.tokens_processed,
             "inference_steps": self.inference_steps,
             "active_streams": self.active_streams,
-            "batches": self.batcher.batches,
-            "batched_steps": self.batcher.batched_items,
-            "max_batch_seen": self.batcher.max_batch_seen,
+            **self.batcher.stats(),
             "accepting": self.accepting,
         }
         return runtime_pb2.ExpertInfo(serialized_info=protocol.pack_metadata(payload))
@@ -128,7 +213,7 @@ class BlockHandler(protocol.BlockRPC):
         try:
             try:
                 first = await asyncio.wait_for(anext(requests), self.limits.idle_timeout)
-                cache = self._open_session(protocol.unpack_metadata(first.metadata), owner)
+                cache = self._open_session(self._unpack(first.metadata), owner)
             except (RemoteError, ValueError) as e:
                 yield protocol.make_response(error=self._wire_error(e))
                 return
@@ -138,20 +223,21 @@ class BlockHandler(protocol.BlockRPC):
 
             while True:
                 try:
-                    request = await asyncio.wait_for(anext(requests), self.limits.idle_timeout)
+                    async with asyncio.timeout(self.limits.idle_timeout):  # cheaper than wait_for per step
+                        request = await anext(requests)
                 except StopAsyncIteration:
                     break
                 except asyncio.TimeoutError:
                     logger.info("session %s idle for %.0fs; closing it", cache.session_id, self.limits.idle_timeout)
                     break
                 try:
-                    metadata = protocol.unpack_metadata(request.metadata)
+                    metadata = self._unpack(request.metadata)
                     if "close" in metadata:
                         keep = bool(metadata["close"].get("keep", False))
                         break
-                    tensors = [protocol.deserialize(t) for t in request.tensors]
+                    tensors = self._deserialize(request.tensors, max_count=1)
                     out, position = await self._step(cache, tensors, metadata)
-                    yield protocol.make_response([out], compression=metadata.get("compression", "none"), position=position)
+                    yield protocol.make_response([out], compression=metadata.get("compression_out", metadata.get("compression", "none")), position=position)
                 except (RemoteError, ValueError) as e:
                     yield protocol.make_response(error=self._wire_error(e))
                 except Exception as e:  # never let one session take the server down
@@ -204,6 +290,8 @@ class BlockHandler(protocol.BlockRPC):
             self.last_step_seconds = time.perf_counter() - t0
         self.tokens_processed += length * hidden.shape[0]
         self.inference_steps += 1
+        if self.metrics is not None:
+            self.metrics.observe_step("inference", self.last_step_seconds, length * hidden.shape[0])
         if self.fault is not None and self.inference_steps > self.fault_after:
             out = await self._inject_fault(out)
         return out, cache.position
@@ -224,13 +312,14 @@ class BlockHandler(protocol.BlockRPC):
     ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
         """``[hidden]`` or ``[hidden, prompts]`` → ``[out]`` (``[N, B, T, H]`` with output_hidden_states)."""
         try:
-            tensors, metadata = await protocol.gather_message(requests)
+            tensors, metadata = await self._gather(requests, max_count=2)
             if len(tensors) not in (1, 2):
                 raise InvalidInputError(f"expected [hidden] or [hidden, prompts], got {len(tensors)} tensors")
             (hidden,) = self._check_hidden(tensors[:1])
             self._check_forward_size(hidden)
             start, end = self._blocks(metadata)
             prompts = self._check_prompts(tensors[1], hidden, end - start) if len(tensors) == 2 else None
+            t0 = time.perf_counter()
             out = await self._compute(
                 self.runner.forward,
                 hidden,
@@ -239,6 +328,9 @@ class BlockHandler(protocol.BlockRPC):
                 prompts,
             )
             self.tokens_processed += hidden.shape[0] * hidden.shape[1]
+            if self.metrics is not None:
+                tokens = hidden.shape[0] * hidden.shape[1]
+                self.metrics.observe_step("forward", time.perf_counter() - t0, tokens)
             compression = metadata.get("compression", "none")
             for message in protocol.split_message([out], {}, runtime_pb2.ExpertResponse, compression):
                 yield message
@@ -253,7 +345,7 @@ class BlockHandler(protocol.BlockRPC):
     ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
         """``[hidden, grad_output(, prompts)]`` → ``[grad_hidden(, grad_prompts)]``."""
         try:
-            tensors, metadata = await protocol.gather_message(requests)
+            tensors, metadata = await self._gather(requests, max_count=3)
             if len(tensors) not in (2, 3):
                 raise InvalidInputError(
                     f"expected [hidden, grad_output] or [hidden, grad_output, prompts], got {len(tensors)}"
@@ -266,9 +358,13 @@ class BlockHandler(protocol.BlockRPC):
             self._check_forward_size(hidden)
             start, end = self._blocks(metadata)
             prompts = self._check_prompts(tensors[2], hidden, end - start) if len(tensors) == 3 else None
+            t0 = time.perf_counter()
             grad, grad_prompts = await self._compute(
                 self.runner.backward, hidden, grad_output, self._relative(start, end), prompts
             )
+            if self.metrics is not None:
+                tokens = hidden.shape[0] * hidden.shape[1]
+                self.metrics.observe_step("backward", time.perf_counter() - t0, tokens)
             grads = [grad] if grad_prompts is None else [grad, grad_prompts]
             compression = metadata.get("compression", "none")
             for message in protocol.split_message(grads, {}, runtime_pb2.ExpertResponse, compression):

@@ -9,6 +9,7 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from swarm_client.families import Family
+from swarm_client.model_source import ensure_shards
 from swarm_client.weights import load_tensors
 
 logger = logging.getLogger(__name__)
@@ -22,8 +23,15 @@ def load_blocks(
     end: int,
     dtype: torch.dtype,
     device: torch.device,
+    max_disk_space: int | str | None = None,
 ) -> list[nn.Module]:
-    """Blocks ``[start, end)`` in ``dtype`` on ``device``; tensors of other blocks are never read."""
+    """Blocks ``[start, end)`` in ``dtype`` on ``device``; tensors of other blocks are never read.
+
+    From a Hub snapshot, the shards holding the span are downloaded first, all or none: the whole span's
+    size is checked against ``max_disk_space`` (and the free space) before the first byte is fetched.
+    """
+    shards = ensure_shards(model_dir, [family.layer_prefix(i) for i in range(start, end)], max_disk_space)
+    logger.info("blocks %d:%d live in %d checkpoint file(s): %s", start, end, len(shards), ", ".join(shards))
     blocks = []
     for index in range(start, end):
         prefix = family.layer_prefix(index)

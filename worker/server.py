@@ -6,6 +6,7 @@ import asyncio
 import logging
 import random
 import signal
+import tempfile
 import time
 from dataclasses import dataclass, field
 
@@ -20,7 +21,10 @@ from swarm_client.dht_records import (
     ServerState,
     declare_span,
     fetch_block_records,
+    mark_validated,
+    record_validators,
     spans_from_records,
+    write_identity,
 )
 from swarm_client.families import get_family
 from swarm_client.model_source import resolve_model_path
@@ -29,6 +33,7 @@ from worker.cache import CacheManager
 from worker.compute import SpanRunner
 from worker.handler import BlockHandler, HandlerLimits
 from worker.loading import load_blocks, resolve_dtype
+from worker.metrics import WorkerMetrics
 from worker.rebalance import (
     HandlerSwitch,
     balancing_view,
@@ -63,6 +68,10 @@ class WorkerConfig:
     throughput: float | None = None
     public_name: str | None = None
     max_sessions_per_peer: int = 256
+    #: sessions of all peers together (detached ones are evicted first)
+    max_sessions: int = 4096
+    #: one serialized tensor may not exceed this (checked on the wire, before deserializing)
+    max_tensor_bytes: int = 256 * 2**20
     #: a ``--num-blocks`` server moves only if that makes the weakest block this much stronger
     #: (``current_min < balance_quality * new_min``; see ``worker.block_selection``)
     balance_quality: float = 0.75
@@ -70,6 +79,8 @@ class WorkerConfig:
     rebalance_period: float = 60.0
     #: test-only: "KIND[:AFTER_STEPS]" with KIND in nan, hang, wrong-shape
     fault: str | None = None
+    #: serve Prometheus metrics on ``host:metrics_port`` (worker/metrics.py); 0 = off
+    metrics_port: int = 0
 
 
 class BlockServer:
@@ -90,16 +101,21 @@ class BlockServer:
         self.start = self.end = 0
         self.throughput = 1.0
         self._stop = asyncio.Event()
+        self.metrics = WorkerMetrics(lambda: self.switch.handlers if self.switch is not None else [])
 
     # ------------------------------------------------------------------ lifecycle
     async def run(self) -> None:
         cfg = self.cfg
-        self.dht = DHT(
-            initial_peers=cfg.initial_peers,
-            host_maddrs=[f"/ip4/{cfg.host}/tcp/{cfg.port}"],
-            start=True,
-            await_ready=True,
-        )
+        with tempfile.TemporaryDirectory() as identity_dir:  # our peer id = hash of the record-signing key
+            self.dht = DHT(
+                initial_peers=cfg.initial_peers,
+                host_maddrs=[f"/ip4/{cfg.host}/tcp/{cfg.port}"],
+                start=True,
+                await_ready=True,
+                record_validators=record_validators(self.dht_prefix, self.total_blocks),
+                **write_identity(identity_dir),
+            )
+        mark_validated(self.dht)
         self.start, self.end = await asyncio.to_thread(self._choose_span)
         logger.info("chose blocks %d:%d of %d", self.start, self.end, self.total_blocks)
         await self._announce(ServerState.JOINING)
@@ -120,6 +136,9 @@ class BlockServer:
         )
         for maddr in maddrs:
             print(f"worker maddr: {maddr}", flush=True)
+        if cfg.metrics_port:
+            port = self.metrics.serve(cfg.host, cfg.metrics_port)
+            print(f"worker metrics: http://{cfg.host}:{port}/metrics", flush=True)
 
         tasks = [asyncio.create_task(self._announce_loop())]
         if cfg.blocks is None and cfg.rebalance_period > 0:
@@ -148,13 +167,15 @@ class BlockServer:
             self.device,
             cfg.session_ttl,
             cfg.max_sessions_per_peer,
+            cfg.max_sessions,
         )
         if self.handler is None:  # per-block tok/s: the same wherever the span lies, so a move reuses it
             self.throughput = cfg.throughput or await asyncio.to_thread(
                 measure_throughput, runner, self.config.hidden_size, layout, self.dtype, self.device
             )
-        limits = HandlerLimits(idle_timeout=cfg.idle_timeout)
+        limits = HandlerLimits(idle_timeout=cfg.idle_timeout, max_tensor_bytes=cfg.max_tensor_bytes)
         handler = BlockHandler(runner, caches, self.config.hidden_size, start, end, self._info, limits)
+        handler.metrics = self.metrics
         if cfg.fault:
             kind, _, after = cfg.fault.partition(":")
             handler.fault, handler.fault_after = kind, int(after or 0)
@@ -175,6 +196,7 @@ class BlockServer:
         for handler in self.switch.handlers:
             handler.executor.shutdown(wait=False, cancel_futures=True)
         self.dht.shutdown()
+        self.metrics.close()
         print("swarmserve worker: stopped", flush=True)
 
     # ------------------------------------------------------------------ DHT
@@ -224,6 +246,8 @@ class BlockServer:
         while True:
             await asyncio.sleep(self.cfg.update_period)
             try:
+                if self.handler is not None:  # detached sessions past their TTL go even on an idle server
+                    self.handler.caches.expire()
                 await self._announce(self.state)
             except Exception:
                 logger.exception("announce failed")
@@ -296,6 +320,10 @@ def run_worker(cfg: WorkerConfig) -> None:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, server.request_stop)
-        await server.run()
+        try:
+            await server.run()
+        finally:  # a worker that dies of an exception must not leave its DHT process (and p2pd) orphaned
+            if server.dht is not None and server.dht.is_alive():
+                server.dht.shutdown()
 
     asyncio.run(main())

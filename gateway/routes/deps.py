@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
-from typing import Annotated, TypeVar
+from typing import Annotated, Any, TypeVar
 
 from fastapi import Depends, Request
+from pydantic import BaseModel
 
 from gateway.backend import ModelBackend
 from gateway.engine import Engine
@@ -35,6 +36,28 @@ def _body(model_cls: type[RequestT]) -> Callable[[Request], Awaitable[RequestT]]
         return parse_request(model_cls, await request.body())
 
     return parse
+
+
+def openapi_body(model_cls: type[BaseModel]) -> dict[str, Any]:
+    """``openapi_extra`` declaring ``model_cls`` as the JSON request body. ``_body`` parses bodies itself, so
+    FastAPI would leave them out of the OpenAPI schema (and clients or fuzzers built from it would send none).
+    Pydantic's ``$defs`` are inlined: the schema sits inside the document, where ``#/$defs/...`` resolves
+    against the document's root."""
+    schema = model_cls.model_json_schema()
+    defs = schema.pop("$defs", {})
+
+    def inline(node: Any) -> Any:
+        if isinstance(node, dict):
+            ref = node.get("$ref")
+            if isinstance(ref, str) and ref.startswith("#/$defs/"):
+                return inline(defs[ref.removeprefix("#/$defs/")])
+            return {k: inline(v) for k, v in node.items()}
+        if isinstance(node, list):
+            return [inline(v) for v in node]
+        return node
+
+    content = {"application/json": {"schema": inline(schema)}}
+    return {"requestBody": {"required": True, "content": content}}
 
 
 EngineDep = Annotated[Engine, Depends(_engine)]

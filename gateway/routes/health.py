@@ -1,5 +1,5 @@
 """``/health`` (200 when every block of the model is served, else 503 naming the missing ones) and
-``/v1/swarm`` (the backend's ``swarm_state()`` as is).
+``/v1/swarm`` (the backend's ``swarm_state()`` as is; 503 when the DHT cannot be read).
 
 ``swarm_state()`` is read for ``missing_blocks`` (list of block indices nobody serves) and, when that key is
 absent, derived from ``num_blocks`` and ``blocks``/``spans`` if present; a backend that says nothing of
@@ -12,7 +12,9 @@ from typing import Any
 from fastapi import APIRouter
 from fastapi.responses import JSONResponse
 
+from gateway.errors import ServiceUnavailableError
 from gateway.routes.deps import BackendDep, SettingsDep
+from swarm_client.errors import SwarmError
 
 router = APIRouter(tags=["swarm"])
 
@@ -58,5 +60,14 @@ async def health(backend: BackendDep, settings: SettingsDep) -> JSONResponse:
 
 
 @router.get("/v1/swarm")
-async def swarm(backend: BackendDep) -> JSONResponse:
-    return JSONResponse(await asyncio.to_thread(backend.swarm_state))
+async def swarm(backend: BackendDep, settings: SettingsDep) -> JSONResponse:
+    """The swarm state; 503 in the error envelope when the DHT cannot be read (a bug stays a 500)."""
+    try:
+        state = await asyncio.to_thread(backend.swarm_state)
+    except (SwarmError, OSError, TimeoutError, asyncio.TimeoutError) as exc:
+        raise ServiceUnavailableError(
+            f"Cannot read the swarm's DHT right now: {type(exc).__name__}: {exc}",
+            code="swarm_unavailable",
+            retry_after_s=settings.retry_after_s,
+        ) from exc
+    return JSONResponse(state)

@@ -1,0 +1,384 @@
+"""The admission chain: what a request must pass before a route sees it.
+
+Outermost first (``install_limits`` adds them; all sit inside ``RequestContextMiddleware``, so their answers
+carry ``x-request-id`` and any bug in them is still a 500 in the envelope):
+
+    AuthMiddleware            401 invalid_api_key            (gateway/auth.py)
+    BodySizeLimitMiddleware   413 request_too_large          checked on Content-Length before reading,
+                                                             and on the bytes as they arrive
+    RateLimitMiddleware       429 rate_limit_exceeded        (counting in gateway/ratelimit.py)
+    StreamLimitMiddleware     503 streams_saturated          a slot per running stream; a bounded queue
+                                                             waits for one (at most stream_queue_timeout_s)
+
+The rate and stream limiters need the JSON body (token estimate, ``"stream": true``) before the route
+parses it: ``read_body`` reads it once, keeps it in ``scope["state"]`` and replays it downstream, so the
+route's own parsing (and its 400s) are unchanged.
+
+The per-request timeout is the engine's ``request_timeout_s`` (a 504, or an error frame in a stream).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections import deque
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI
+from starlette.datastructures import MutableHeaders
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from gateway.auth import APIKeys, AuthMiddleware, load_api_keys
+from gateway.errors import GatewayError, ServiceUnavailableError, error_response
+from gateway.ratelimit import (
+    GENERATION_PATHS,
+    ModelTokenCounter,
+    RateLimiter,
+    TiktokenCounter,
+    TokenCounter,
+    estimate_tokens,
+    request_identity,
+)
+from gateway.settings import GatewaySettings
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "BodySizeLimitMiddleware",
+    "PayloadTooLargeError",
+    "RateLimitMiddleware",
+    "StreamLimitMiddleware",
+    "StreamSlots",
+    "StreamsSaturatedError",
+    "install_limits",
+    "read_body",
+]
+
+_BODY_STATE_KEY = "swarmserve.body"
+
+
+class PayloadTooLargeError(GatewayError):
+    status_code = 413
+    type = "invalid_request_error"
+    code = "request_too_large"
+
+    def __init__(self, limit: int, size: int | None = None):
+        got = f" ({size} bytes)" if size is not None else ""
+        super().__init__(f"Request body too large{got}: this server accepts at most {limit} bytes.")
+
+
+class StreamsSaturatedError(ServiceUnavailableError):
+    def __init__(self, message: str, *, retry_after_s: int):
+        super().__init__(message, code="streams_saturated", retry_after_s=retry_after_s)
+
+
+# ----------------------------------------------------------------------------------------------- the body
+
+
+async def read_body(scope: Scope, receive: Receive) -> tuple[bytes, Receive]:
+    """The whole request body, and a ``receive`` for the app downstream that replays it first.
+
+    The body is kept in the scope: a second caller further down gets it from there, together with the
+    ``receive`` it was handed (already a replaying one), so the app still sees the body exactly once."""
+    state = scope.setdefault("state", {})
+    cached = state.get(_BODY_STATE_KEY)
+    if cached is not None:
+        return cached, receive
+    chunks: list[bytes] = []
+    disconnected = False
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            disconnected = True
+            break
+        chunks.append(message.get("body", b""))
+        if not message.get("more_body", False):
+            break
+    body = b"".join(chunks)
+    state[_BODY_STATE_KEY] = body
+    replayed = False
+
+    async def replay() -> Message:
+        nonlocal replayed
+        if not replayed and not disconnected:
+            replayed = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        if disconnected:
+            return {"type": "http.disconnect"}
+        return await receive()
+
+    return body, replay
+
+
+def _json_object(body: bytes) -> dict[str, Any] | None:
+    try:
+        data = json.loads(body)
+    except ValueError:
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def _is_generation(scope: Scope) -> bool:
+    return scope["type"] == "http" and scope.get("method") == "POST" and scope.get("path") in GENERATION_PATHS
+
+
+class BodySizeLimitMiddleware:
+    """413 for a body over ``max_bytes``: at once when ``Content-Length`` says so (nothing is read), else
+    as soon as the received bytes pass the limit (a chunked upload, or a lying header)."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int):
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or self.max_bytes <= 0:
+            await self.app(scope, receive, send)
+            return
+        limit = self.max_bytes
+        declared = dict(scope.get("headers") or []).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            await error_response(PayloadTooLargeError(limit, int(declared)))(scope, receive, send)
+            return
+        received = 0
+        started = False
+
+        async def counted_receive() -> Message:
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > limit:
+                    raise PayloadTooLargeError(limit)
+            return message
+
+        async def send_tracked(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, counted_receive, send_tracked)
+        except PayloadTooLargeError as exc:  # raised while a middleware below read the body
+            if started:
+                raise
+            await error_response(exc)(scope, receive, send)
+
+
+# ------------------------------------------------------------------------------------------ rate limiting
+
+
+class RateLimitMiddleware:
+    """Applies ``limiter`` to POSTs on the generation routes; other routes pass untouched. Admitted
+    responses carry OpenAI's ``x-ratelimit-*`` headers."""
+
+    def __init__(
+        self,
+        app: ASGIApp,
+        limiter: RateLimiter,
+        counter: TokenCounter | None,
+        *,
+        default_max_tokens: int,
+        max_context: int,
+        max_choices: int,
+    ):
+        self.app = app
+        self.limiter = limiter
+        self.counter = counter
+        self.default_max_tokens = default_max_tokens
+        self.max_context = max_context
+        self.max_choices = max_choices
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if not self.limiter.enabled or not _is_generation(scope):
+            await self.app(scope, receive, send)
+            return
+        tokens = 0
+        if self.limiter.tpm > 0:
+            body, receive = await read_body(scope, receive)
+            tokens = estimate_tokens(
+                scope["path"],
+                _json_object(body),
+                self.counter,
+                default_max_tokens=self.default_max_tokens,
+                max_context=self.max_context,
+                max_choices=self.max_choices,
+            )
+        decision = await self.limiter.check(request_identity(scope), tokens)
+        if not decision.admitted:
+            err = self.limiter.refusal(decision, tokens)
+            logger.info("%s %s → 429 (%s)", scope.get("method"), scope.get("path"), err.message)
+            await error_response(err)(scope, receive, send)
+            return
+        headers = decision.headers()
+
+        async def send_with_headers(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                mutable = MutableHeaders(scope=message)
+                for name, value in headers.items():
+                    mutable[name] = value
+            await send(message)
+
+        await self.app(scope, receive, send_with_headers)
+
+
+# ------------------------------------------------------------------------------------------- stream slots
+
+
+class StreamSlots:
+    """At most ``max_active`` streams at once; up to ``max_queued`` more wait, first come first served,
+    at most ``queue_timeout_s`` (0: as long as it takes). ``max_active == 0``: unlimited."""
+
+    def __init__(
+        self, max_active: int, max_queued: int = 0, queue_timeout_s: float = 30.0, retry_after_s: int = 5
+    ):
+        self.max_active = max_active
+        self.max_queued = max_queued
+        self.queue_timeout_s = queue_timeout_s
+        self.retry_after_s = retry_after_s
+        self.active = 0
+        self._waiters: deque[asyncio.Future[None]] = deque()
+
+    @property
+    def queued(self) -> int:
+        return sum(1 for w in self._waiters if not w.done())
+
+    @asynccontextmanager
+    async def slot(self) -> AsyncIterator[None]:
+        await self.acquire()
+        try:
+            yield
+        finally:
+            self.release()
+
+    async def acquire(self) -> None:
+        if self.max_active <= 0:
+            self.active += 1
+            return
+        if self.active < self.max_active and not self.queued:
+            self.active += 1
+            return
+        if self.queued >= self.max_queued:
+            raise StreamsSaturatedError(
+                f"The server is at its limit of {self.max_active} concurrent streams and "
+                f"{self.max_queued} queued; retry later.",
+                retry_after_s=self.retry_after_s,
+            )
+        waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._waiters.append(waiter)
+        try:
+            async with asyncio.timeout(self.queue_timeout_s or None):
+                await waiter  # release() counts us in before it wakes us
+        except BaseException as exc:
+            if waiter.done() and not waiter.cancelled():
+                self.release()  # a slot was handed over just as we gave up: pass it on
+            else:
+                waiter.cancel()
+            if isinstance(exc, TimeoutError):
+                raise StreamsSaturatedError(
+                    f"No stream slot freed up within {self.queue_timeout_s:g}s "
+                    f"({self.max_active} concurrent streams at most); retry later.",
+                    retry_after_s=self.retry_after_s,
+                ) from None
+            raise
+        finally:
+            try:
+                self._waiters.remove(waiter)
+            except ValueError:
+                pass
+
+    def release(self) -> None:
+        self.active -= 1
+        while self._waiters:
+            waiter = self._waiters.popleft()
+            if not waiter.done():
+                self.active += 1
+                waiter.set_result(None)
+                return
+
+
+class StreamLimitMiddleware:
+    """Holds a ``StreamSlots`` slot for the whole life of a streaming generation request (until its last
+    byte is sent or its client is gone); 503 + Retry-After when none is free and the queue is full."""
+
+    def __init__(self, app: ASGIApp, slots: StreamSlots):
+        self.app = app
+        self.slots = slots
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if self.slots.max_active <= 0 or not _is_generation(scope):
+            await self.app(scope, receive, send)
+            return
+        body, receive = await read_body(scope, receive)
+        data = _json_object(body)
+        if data is None or data.get("stream") is not True:
+            await self.app(scope, receive, send)
+            return
+        try:
+            await self.slots.acquire()
+        except StreamsSaturatedError as exc:
+            logger.info("%s %s → 503 (%s)", scope.get("method"), scope.get("path"), exc.message)
+            await error_response(exc)(scope, receive, send)
+            return
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.slots.release()
+
+
+# ---------------------------------------------------------------------------------------------- install
+
+
+def token_counter(settings: GatewaySettings, tokenizer: Any) -> TokenCounter | None:
+    """The rate limiter's token counter: a tiktoken BPE file if configured, else the model's tokenizer."""
+    if settings.rate_limit_tiktoken_file:
+        return TiktokenCounter.from_bpe_file(settings.rate_limit_tiktoken_file)
+    return ModelTokenCounter(tokenizer) if tokenizer is not None else None
+
+
+def install_limits(app: FastAPI, settings: GatewaySettings) -> None:
+    """Add the admission chain (module docstring) to ``app``; call before adding
+    ``RequestContextMiddleware`` so the chain sits inside it. Fails fast on a missing key file."""
+    keys = APIKeys(load_api_keys(settings.api_keys, settings.api_keys_file))
+    if not keys and settings.host not in ("127.0.0.1", "localhost", "::1"):
+        logger.warning("listening on %s without API keys: anyone who can reach it can use it", settings.host)
+    engine = getattr(app.state, "engine", None)
+    backend = getattr(app.state, "backend", None)
+    limiter = RateLimiter(settings.rate_limit_rpm, settings.rate_limit_tpm, redis_url=settings.redis_url)
+    slots = StreamSlots(
+        settings.max_concurrent_streams,
+        settings.max_queued_streams,
+        settings.stream_queue_timeout_s,
+        retry_after_s=settings.retry_after_s,
+    )
+    app.state.api_keys = keys
+    app.state.rate_limiter = limiter
+    app.state.stream_slots = slots
+
+    # added innermost first: Starlette wraps each new middleware around the ones before it
+    app.add_middleware(StreamLimitMiddleware, slots=slots)
+    app.add_middleware(
+        RateLimitMiddleware,
+        limiter=limiter,
+        counter=token_counter(settings, getattr(engine, "tokenizer", None)) if limiter.tpm else None,
+        default_max_tokens=settings.default_max_tokens,
+        max_context=int(getattr(backend, "max_context", 0) or 2**31),
+        max_choices=settings.max_choices,
+    )
+    app.add_middleware(BodySizeLimitMiddleware, max_bytes=settings.max_body_bytes)
+    app.add_middleware(AuthMiddleware, keys=keys, exempt_paths=settings.auth_exempt_paths)
+
+    # the limiter's Redis connection is closed with the app (the lifespan in app.py knows nothing of it)
+    inner_lifespan = app.router.lifespan_context
+
+    @asynccontextmanager
+    async def lifespan(app_: Any) -> AsyncIterator[Any]:
+        async with inner_lifespan(app_) as state:
+            try:
+                yield state
+            finally:
+                await limiter.aclose()
+
+    app.router.lifespan_context = lifespan

@@ -1,0 +1,25 @@
+"""``/swarm``: a human-readable status page over ``/v1/swarm`` (coverage per block, servers, health).
+
+The page is one self-contained file (``gateway/static/swarm.html``: inline CSS and JS, no CDN, so it works
+on an offline swarm); it polls ``/v1/swarm`` in the browser and says so in plain words when that fails.
+"""
+
+from __future__ import annotations
+
+import functools
+from importlib import resources
+
+from fastapi import APIRouter
+from fastapi.responses import HTMLResponse
+
+router = APIRouter(tags=["swarm"])
+
+
+@functools.lru_cache(maxsize=1)
+def page_html() -> str:
+    return resources.files("gateway").joinpath("static", "swarm.html").read_text(encoding="utf-8")
+
+
+@router.get("/swarm", response_class=HTMLResponse, include_in_schema=False)
+async def swarm_page() -> HTMLResponse:
+    return HTMLResponse(page_html(), headers={"Cache-Control": "no-cache"})

@@ -1,0 +1,525 @@
+"""Throughput and latency vs concurrency through the whole stack: gateway → swarm → batching workers.
+
+    python load_tests/bench_concurrency.py --model medium --levels 1,2,4,8,16 --max-tokens 64
+    python load_tests/bench_concurrency.py --model tiny --levels 1,2,4 --max-tokens 8   # a quick check
+
+One run starts its own swarm (a DHT in this process, ``--workers`` worker processes splitting the model's
+blocks evenly, as ``swarmserve up`` does) and an in-process gateway (``SwarmBackend`` + ``create_app`` +
+``BackgroundServer``), then:
+
+1. warms up, then records the *reference*: every built-in prompt of ``load_tests/loadgen.py`` decoded alone
+   (concurrency 1, so every worker step is a batch of one);
+2. for each concurrency level runs ``loadgen.run_load`` (``--requests-per-stream`` requests per stream, at
+   least ``--min-requests`` per level; greedy, EOS banned with ``logit_bias`` so every request makes exactly
+   ``--max-tokens`` tokens) and checks that every output equals the reference output of its prompt:
+   continuous batching must not change a single greedy token. The gateway's prefix reuse (affinity) stays
+   on, as deployed, unless ``--no-affinity``: requests may resume caches earlier ones left on the workers;
+3. reads each worker's batching counters (info RPC: ``batches``, ``batched_steps``, ``max_batch_seen``)
+   around each level, so the table shows how large the batches really were.
+
+Writes ``<out-dir>/concurrency.json``, ``concurrency.md`` (concurrency, total tok/s, speed-up vs 1 stream,
+TTFT and ITL p50/p95/p99, errors, output mismatches, mean and max batch) and, with matplotlib installed
+(``pip install -e '.[bench]'``), ``concurrency.png`` (throughput vs concurrency). Exit code 1 on any error
+or output mismatch. ``LocalSwarm`` is also used by ``load_tests/soak.py``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from gateway.cli_gateway import WorkerProcess, split_blocks, stop_workers  # noqa: E402
+from load_tests.loadgen import PROMPTS, run_load  # noqa: E402
+
+DEFAULT_LEVELS = (1, 2, 4, 8, 16)
+#: the brief's bar: aggregate tok/s at this many streams at least this many times the single stream's
+GOAL_CONCURRENCY, GOAL_SPEEDUP = 8, 4.0
+
+
+# ---------------------------------------------------------------------------------------------- models
+def resolve_model(name: str, workdir: Path) -> Path:
+    """``tiny`` (hidden 64, 4 layers), ``medium`` (hidden 1024, 8 layers; random weights), ``smollm``
+    (SmolLM2-135M-Instruct, offline) or a local path / hub id."""
+    if name == "tiny":
+        from swarm_client.tiny_model import make_tiny_model
+
+        return Path(make_tiny_model(workdir / "tiny-llama", family="llama", num_layers=4, seed=0))
+    if name == "medium":
+        from load_tests.bench_decode import make_medium_model
+
+        return Path(make_medium_model(workdir / "medium-llama"))
+    from swarm_client.model_source import resolve_model_path
+
+    if name == "smollm":
+        name = "HuggingFaceTB/SmolLM2-135M-Instruct"
+    return Path(resolve_model_path(name))
+
+
+# ---------------------------------------------------------------------------------------------- the swarm
+class LocalSwarm:
+    """A DHT in this process, ``workers`` block servers as child processes and a gateway in a thread of
+    this process: what ``swarmserve up`` runs, with handles on every piece for measurements.
+
+    Every process binds to 127.0.0.1. Workers announce a fixed ``throughput`` (no startup benchmark, a
+    deterministic route). Always ``close()`` it (or use ``with``): it stops the gateway, closes the client's
+    sessions, then drains the workers (killed after ``grace`` seconds) and the DHT."""
+
+    def __init__(
+        self,
+        model_dir: Path,
+        workers: int = 2,
+        *,
+        worker_threads: int | None = None,
+        throughput: float | None = 1000.0,
+        cache_tokens: int = 16384,
+        ready_timeout: float = 600.0,
+        gateway_settings: Mapping[str, Any] | None = None,
+        worker_args: Sequence[str] = (),
+        grace: float = 15.0,
+    ):
+        # the DHT forks a process: start it before this process's torch spins up thread pools
+        from hivemind.dht import DHT
+
+        from swarm_client.config import default_dht_prefix
+        from swarm_client.dht_records import mark_validated, record_validators
+
+        self.model_dir = Path(model_dir)
+        self.grace = grace
+        self.prefix = default_dht_prefix(str(self.model_dir))
+        self.workers: list[WorkerProcess] = []
+        self.server: Any = None
+        self.backend: Any = None
+        self.dht = DHT(
+            initial_peers=[],
+            host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+            record_validators=record_validators(self.prefix),
+            start=True,
+        )
+        mark_validated(self.dht)
+        self.maddrs = [str(m) for m in self.dht.get_visible_maddrs()]
+        try:
+            self._start_workers(workers, worker_threads, throughput, cache_tokens, ready_timeout, worker_args)
+            self._start_gateway(dict(gateway_settings or {}))
+        except BaseException:
+            self.close()
+            raise
+
+    def _start_workers(
+        self,
+        n: int,
+        threads: int | None,
+        throughput: float | None,
+        cache_tokens: int,
+        timeout: float,
+        extra: Sequence[str],
+    ) -> None:
+        from transformers import AutoConfig
+
+        num_blocks = int(AutoConfig.from_pretrained(self.model_dir).num_hidden_layers)
+        spans = split_blocks(num_blocks, n)
+        threads = threads or max(1, (os.cpu_count() or 1) // len(spans))
+        args = ["--model", str(self.model_dir), "--initial-peers", *self.maddrs, "--dht-prefix", self.prefix,
+                "--torch-threads", str(threads), "--cache-tokens", str(cache_tokens),
+                "--update-period", "2"]  # fmt: skip
+        if throughput is not None:
+            args += ["--throughput", str(throughput)]
+        args += list(extra)
+        env = dict(
+            os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads)
+        )
+        env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+        for i, span in enumerate(spans):
+            self.workers.append(WorkerProcess.spawn(f"worker {i + 1}", span, args, env))
+        deadline = time.monotonic() + timeout
+        for w in self.workers:
+            while not w.ready.wait(0.2):
+                if w.crashed() or time.monotonic() > deadline:
+                    raise RuntimeError(
+                        f"{w.name} (blocks {w.span[0]}:{w.span[1]}) failed to start:\n{w.tail()}"
+                    )
+        spans_txt = ", ".join(f"{w.span[0]}:{w.span[1]}" for w in self.workers)
+        print(
+            f"swarm: {len(self.workers)} worker(s) ready ({spans_txt}), {threads} thread(s) each", flush=True
+        )
+
+    def _start_gateway(self, settings: dict[str, Any]) -> None:
+        from gateway import BackgroundServer, GatewaySettings, create_app
+        from gateway.swarm_backend import SwarmBackend
+
+        self.backend = SwarmBackend(
+            str(self.model_dir), self.maddrs, dht_prefix=self.prefix, dht=self.dht, update_period=2.0
+        )
+        settings.setdefault("model", str(self.model_dir))
+        settings.setdefault("log_level", "warning")
+        self.server = BackgroundServer(create_app(self.backend, GatewaySettings(**settings))).start(
+            timeout=120
+        )
+        print(f"gateway: {self.server.url}", flush=True)
+
+    @property
+    def url(self) -> str:
+        return self.server.url
+
+    def worker_infos(self) -> list[dict[str, Any]]:
+        """Each worker's own report (cache use, sessions, batching counters), in span order."""
+        infos = []
+        for w in self.workers:
+            info = dict(self.backend.server_info(w.peer_id, timeout=10.0))
+            info["name"], info["span"] = w.name, f"{w.span[0]}:{w.span[1]}"
+            infos.append(info)
+        return infos
+
+    def worker_rss_mb(self) -> list[float | None]:
+        """Resident memory of each worker process (its DHT child and p2pd not included)."""
+        import psutil
+
+        out: list[float | None] = []
+        for w in self.workers:
+            try:
+                out.append(round(psutil.Process(w.pid).memory_info().rss / 2**20, 1))
+            except psutil.Error:
+                out.append(None)
+        return out
+
+    def close(self) -> None:
+        if self.server is not None:
+            self.server.stop()
+            self.server = None
+        if self.backend is not None:
+            self.backend.close()
+            self.backend = None
+        if self.workers:
+            stop_workers(self.workers, self.grace)
+        self.dht.shutdown()
+
+    def __enter__(self) -> LocalSwarm:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def gateway_overrides(**wanted: Any) -> dict[str, Any]:
+    """The ``GatewaySettings`` fields among ``wanted`` that this gateway version has (others are dropped
+    with a note): the scripts keep working while settings come and go."""
+    from gateway import GatewaySettings
+
+    fields = GatewaySettings.model_fields
+    for name in sorted(set(wanted) - set(fields)):
+        print(f"note: this gateway has no setting {name!r}; ignored", file=sys.stderr)
+    return {k: v for k, v in wanted.items() if k in fields}
+
+
+def eos_logit_bias(backend: Any) -> dict[str, float]:
+    """``logit_bias`` that bans every EOS id: each request then makes exactly ``max_tokens`` tokens, so
+    levels are compared on equal work."""
+    from gateway.engine import eos_token_ids
+
+    return {str(i): -100.0 for i in sorted(eos_token_ids(backend))}
+
+
+# ---------------------------------------------------------------------------------------------- the sweep
+def _batch_delta(before: Sequence[Mapping], after: Sequence[Mapping]) -> list[dict[str, Any]]:
+    rows = []
+    for b, a in zip(before, after, strict=True):
+        batches = int(a["batches"]) - int(b["batches"])
+        steps = int(a["batched_steps"]) - int(b["batched_steps"])
+        rows.append(
+            {
+                "worker": a["name"],
+                "span": a["span"],
+                "batches": batches,
+                "batched_steps": steps,
+                "mean_batch": round(steps / batches, 3) if batches else None,
+                "max_batch_seen": int(a["max_batch_seen"]),
+                "compute_ms_median": a.get("compute_ms_median"),
+            }
+        )
+    return rows
+
+
+def check_outputs(result: Mapping[str, Any], reference: Mapping[int, Mapping[str, Any]]) -> list[dict]:
+    """Requests whose text or token count differs from the single-stream output of the same prompt."""
+    bad = []
+    for d in result["requests_detail"]:
+        if d["error"] is not None:
+            continue  # counted as an error already
+        ref = reference[d["prompt_index"]]
+        if d["text"] != ref["text"] or d["completion_tokens"] != ref["completion_tokens"]:
+            bad.append(
+                {
+                    "stream": d["stream"],
+                    "index": d["index"],
+                    "prompt_index": d["prompt_index"],
+                    "got": d["text"][:200],
+                    "expected": ref["text"][:200],
+                }
+            )
+    return bad
+
+
+def _slim(detail: Mapping[str, Any]) -> dict[str, Any]:
+    """A request's record without its per-chunk gaps (they are in the percentiles)."""
+    return {k: v for k, v in detail.items() if k != "itl_s"}
+
+
+async def sweep(swarm: LocalSwarm, args: argparse.Namespace) -> dict[str, Any]:
+    extra = {"logit_bias": eos_logit_bias(swarm.backend)} if args.ban_eos else {}
+    common = dict(
+        max_tokens=args.max_tokens,
+        request_timeout_s=args.request_timeout,
+        deadline_s=args.level_deadline,
+        extra_body=extra,
+    )
+    print("warm-up ...", flush=True)
+    warm = await run_load(swarm.url, 1, **{**common, "max_tokens": min(4, args.max_tokens)})
+    if warm["errors"]:
+        raise RuntimeError(f"warm-up failed: {warm['error_samples']}")
+
+    print(f"reference: {len(PROMPTS)} prompts, one at a time ...", flush=True)
+    ref_run = await run_load(swarm.url, 1, requests_per_stream=len(PROMPTS), **common)
+    if ref_run["errors"]:
+        raise RuntimeError(f"reference run failed: {ref_run['error_samples']}")
+    reference = {d["prompt_index"]: d for d in ref_run["requests_detail"]}
+
+    levels = []
+    for c in args.levels:
+        before = swarm.worker_infos()
+        load_before = os.getloadavg()[0]
+        per_stream = max(args.requests_per_stream, -(-args.min_requests // c))
+        result = await run_load(swarm.url, c, requests_per_stream=per_stream, **common)
+        after = swarm.worker_infos()
+        result["mismatches"] = check_outputs(result, reference)
+        result["workers"] = _batch_delta(before, after)
+        result["max_batch_seen"] = max(w["max_batch_seen"] for w in result["workers"])
+        means = [w["mean_batch"] for w in result["workers"] if w["mean_batch"] is not None]
+        result["mean_batch"] = round(max(means), 3) if means else None
+        result["loadavg_1m_before"] = round(load_before, 2)
+        result["requests_detail"] = [_slim(d) for d in result["requests_detail"]]
+        levels.append(result)
+        print(
+            f"  concurrency {c:>3}: {result['tokens_per_s']:8.1f} tok/s, {result['requests']} requests, "
+            f"{result['errors']} errors, {len(result['mismatches'])} mismatches, "
+            f"TTFT p50 {result['ttft']['p50_ms']} ms, ITL p50 {result['itl']['p50_ms']} ms, "
+            f"mean batch {result['mean_batch']}, load {load_before:.1f}",
+            flush=True,
+        )
+    base = next((lv["tokens_per_s"] for lv in levels if lv["concurrency"] == 1), None)
+    for lv in levels:
+        lv["speedup"] = round(lv["tokens_per_s"] / base, 3) if base else None
+    return {
+        "reference": {
+            "tokens_per_s": ref_run["tokens_per_s"],
+            "outputs": [
+                {
+                    "prompt_index": i,
+                    "prompt": PROMPTS[i],
+                    "text": reference[i]["text"],
+                    "completion_tokens": reference[i]["completion_tokens"],
+                }  # fmt: skip
+                for i in sorted(reference)
+            ],
+        },
+        "levels": levels,
+    }
+
+
+# ---------------------------------------------------------------------------------------------- reports
+def _f(value: Any, digits: int = 1) -> str:
+    if value is None:
+        return "–"
+    return f"{value:.{digits}f}" if isinstance(value, float) else str(value)
+
+
+def markdown(report: Mapping[str, Any]) -> str:
+    meta = report["meta"]
+    lines = [
+        f"# Concurrency sweep: {meta['model']} ({meta['workers']} workers)",
+        "",
+        f"{meta['max_tokens']} tokens per request (EOS banned: {meta['ban_eos']}; prefix reuse: "
+        f"{meta['affinity']}), "
+        f"{meta['requests_per_stream']} request(s) per stream (at least {meta['min_requests']} per level), "
+        "greedy, streaming chat; "
+        f"{meta['cpu_count']} CPU(s), {meta['worker_threads']} torch thread(s) per worker; "
+        f"load average {meta['loadavg_start']} at start.",
+        "",
+        "| concurrency | total tok/s | speed-up vs 1 | TTFT p50 | TTFT p95 | TTFT p99 | ITL p50 | ITL p95 "
+        "| ITL p99 | errors | mismatches | mean batch | max batch seen |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for lv in report["levels"]:
+        t, i = lv["ttft"], lv["itl"]
+        lines.append(
+            f"| {lv['concurrency']} | {_f(lv['tokens_per_s'])} | {_f(lv['speedup'], 2)}× "
+            f"| {_f(t['p50_ms'])} | {_f(t['p95_ms'])} | {_f(t['p99_ms'])} "
+            f"| {_f(i['p50_ms'])} | {_f(i['p95_ms'])} | {_f(i['p99_ms'])} "
+            f"| {lv['errors']} | {len(lv['mismatches'])} | {_f(lv['mean_batch'], 2)} "
+            f"| {lv['max_batch_seen']} |"
+        )
+    goal = report["goal"]
+    lines += [
+        "",
+        "Latencies in ms. TTFT: request sent → first content chunk; ITL: gap between content chunks. "
+        "Mismatches: outputs that differ from the same prompt decoded alone (unbatched). Mean batch: "
+        "steps per batch on the busiest worker during the level; max batch seen: since the worker started.",
+        "",
+        f"Goal: ≥ {GOAL_SPEEDUP:g}× single-stream tok/s at {GOAL_CONCURRENCY} streams, no errors, outputs "
+        f"identical to unbatched greedy — speed-up {_f(goal['speedup'], 2)}×, errors {goal['errors']}, "
+        f"mismatches {goal['mismatches']}: **{'met' if goal['met'] else 'not met'}**.",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def plot(report: Mapping[str, Any], out: Path) -> Path | None:
+    """Throughput vs concurrency with the linear-scaling line; None when matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed (pip install -e '.[bench]'): no plot", file=sys.stderr)
+        return None
+    levels = report["levels"]
+    xs = [lv["concurrency"] for lv in levels]
+    ys = [lv["tokens_per_s"] for lv in levels]
+    fig, ax = plt.subplots(figsize=(6.4, 4.2), dpi=120)
+    ax.plot(xs, ys, marker="o", label="swarmserve (gateway + 2-span swarm)")
+    base = next((lv["tokens_per_s"] for lv in levels if lv["concurrency"] == 1), None)
+    if base:
+        ax.plot(xs, [base * x for x in xs], linestyle="--", color="grey", label="linear scaling")
+        for lv in levels:
+            ax.annotate(f"{lv['speedup']:.1f}×", (lv["concurrency"], lv["tokens_per_s"]),
+                        textcoords="offset points", xytext=(0, 7), ha="center", fontsize=8)  # fmt: skip
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(xs, [str(x) for x in xs])
+    ax.set_ylim(bottom=0, top=max(ys + [1.0]) * 1.25)
+    ax.set_xlabel("concurrent streams")
+    ax.set_ylabel("total completion tokens/s")
+    ax.set_title(f"{report['meta']['model']}: throughput vs concurrency")
+    ax.grid(True, alpha=0.3)
+    ax.legend(loc="upper left", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out)
+    plt.close(fig)
+    return out
+
+
+def write_outputs(report: Mapping[str, Any], out_dir: Path) -> list[Path]:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = [out_dir / "concurrency.json", out_dir / "concurrency.md"]
+    paths[0].write_text(json.dumps(report, indent=2) + "\n")
+    paths[1].write_text(markdown(report))
+    png = plot(report, out_dir / "concurrency.png")
+    return paths + ([png] if png else [])
+
+
+# ---------------------------------------------------------------------------------------------- main
+def _levels(text: str) -> list[int]:
+    levels = sorted({int(x) for x in text.split(",") if x.strip()})
+    if not levels or levels[0] < 1:
+        raise argparse.ArgumentTypeError("levels: comma-separated positive integers")
+    return levels
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="medium", help="tiny | medium | smollm | local path (default: medium)")
+    p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--levels", type=_levels, default=list(DEFAULT_LEVELS), help="e.g. 1,2,4,8,16")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--requests-per-stream", type=int, default=2)
+    p.add_argument(
+        "--min-requests", type=int, default=8,
+        help="each level sends at least this many requests (more per stream at low concurrency): a steadier "
+        "single-stream baseline",
+    )  # fmt: skip
+    p.add_argument("--no-ban-eos", dest="ban_eos", action="store_false", help="let requests stop at EOS")
+    p.add_argument(
+        "--no-affinity", dest="affinity", action="store_false",
+        help="turn the gateway's prefix reuse off (every request prefills afresh)",
+    )  # fmt: skip
+    p.add_argument("--worker-threads", type=int, default=None, help="torch threads per worker (CPUs/workers)")
+    p.add_argument("--gateway-threads", type=int, default=1, help="torch threads of this (gateway) process")
+    p.add_argument("--request-timeout", type=float, default=300.0)
+    p.add_argument("--level-deadline", type=float, default=900.0, help="hard limit of one level (seconds)")
+    p.add_argument("--out-dir", type=Path, default=ROOT / "bench_results")
+    return p.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    workdir = Path(tempfile.mkdtemp(prefix="swarmserve-bench-conc-"))
+    started = time.time()
+    loadavg_start = round(os.getloadavg()[0], 2)
+    try:
+        model_dir = resolve_model(args.model, workdir)
+        worker_threads = args.worker_threads or max(1, (os.cpu_count() or 1) // args.workers)
+        gateway_settings = gateway_overrides(affinity=args.affinity)
+        with LocalSwarm(
+            model_dir, args.workers, worker_threads=worker_threads, gateway_settings=gateway_settings
+        ) as swarm:
+            import torch
+
+            torch.set_num_threads(args.gateway_threads)
+            results = asyncio.run(sweep(swarm, args))
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    levels = results["levels"]
+    at_goal = next((lv for lv in levels if lv["concurrency"] == GOAL_CONCURRENCY), None)
+    errors = sum(lv["errors"] for lv in levels)
+    mismatches = sum(len(lv["mismatches"]) for lv in levels)
+    speedup = at_goal["speedup"] if at_goal else None
+    report = {
+        "meta": {
+            "model": args.model,
+            "model_dir": str(model_dir) if args.model not in ("tiny", "medium") else None,
+            "workers": args.workers,
+            "worker_threads": worker_threads,
+            "gateway_threads": args.gateway_threads,
+            "max_tokens": args.max_tokens,
+            "requests_per_stream": args.requests_per_stream,
+            "min_requests": args.min_requests,
+            "ban_eos": args.ban_eos,
+            "affinity": args.affinity,
+            "levels": args.levels,
+            "cpu_count": os.cpu_count(),
+            "platform": platform.platform(),
+            "python": platform.python_version(),
+            "loadavg_start": loadavg_start,
+            "loadavg_end": round(os.getloadavg()[0], 2),
+            "started_at": time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(started)),
+            "duration_s": round(time.time() - started, 1),
+        },
+        "goal": {
+            "concurrency": GOAL_CONCURRENCY,
+            "min_speedup": GOAL_SPEEDUP,
+            "speedup": speedup,
+            "errors": errors,
+            "mismatches": mismatches,
+            "met": bool(speedup is not None and speedup >= GOAL_SPEEDUP and not errors and not mismatches),
+        },
+        **results,
+    }
+    for path in write_outputs(report, args.out_dir):
+        print(f"wrote {path}")
+    print(markdown(report))
+    return 1 if errors or mismatches else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,196 @@
+"""docker-compose.yml and the Dockerfiles, checked without a Docker engine.
+
+Each service's command is interpolated the way Compose does it and parsed by the real
+``gateway.cli.build_parser()``, so the images run exactly the CLI the other tests run.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from gateway.cli import build_parser
+
+yaml = pytest.importorskip("yaml")
+
+ROOT = Path(__file__).resolve().parents[1]
+SAMPLE_PEER = "/ip4/10.0.0.5/tcp/31337/p2p/QmSoo6CLTKrjQioNvX5WxFG5v3iXhE1cdv82uBx2Z5x9DR"
+SAMPLE_ENV = {
+    "MODEL": "HuggingFaceTB/SmolLM2-135M-Instruct",
+    "INITIAL_PEERS": SAMPLE_PEER,
+    "NUM_BLOCKS": "12",
+}
+_VAR = re.compile(r"\$\$|\$\{(?P<name>\w+)(?:(?P<op>:?[-?])(?P<arg>[^}]*))?\}|\$(?P<bare>\w+)")
+
+
+def interpolate(text: str, env: dict[str, str]) -> str:
+    """Compose's variable syntax: ``$VAR``, ``${VAR}``, ``${VAR:-dflt}``, ``${VAR-dflt}``, ``${VAR:?err}``."""
+
+    def sub(m: re.Match) -> str:
+        if m.group(0) == "$$":
+            return "$"
+        name = m.group("name") or m.group("bare")
+        op, arg, value = m.group("op"), m.group("arg") or "", env.get(name)
+        if op == ":-":
+            return value if value else arg
+        if op == "-":
+            return arg if value is None else value
+        if op in (":?", "?") and not value:
+            raise KeyError(f"{name}: {arg}")
+        return value or ""
+
+    return _VAR.sub(sub, text)
+
+
+def resolve(node: Any, env: dict[str, str]) -> Any:
+    if isinstance(node, str):
+        return interpolate(node, env)
+    if isinstance(node, list):
+        return [resolve(x, env) for x in node]
+    if isinstance(node, dict):
+        return {k: resolve(v, env) for k, v in node.items()}
+    return node
+
+
+def compose(env: dict[str, str] | None = None) -> dict:
+    raw = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+    return resolve(raw, SAMPLE_ENV if env is None else env)
+
+
+def argv(service: dict) -> list[str]:
+    command = service["command"]
+    return shlex.split(command) if isinstance(command, str) else list(command)
+
+
+def parse(service: dict):
+    args = argv(service)
+    assert args[0] == "swarmserve", args
+    return build_parser().parse_args(args[1:])
+
+
+@pytest.fixture(scope="module")
+def services() -> dict:
+    return compose()["services"]
+
+
+def test_services_and_pinned_images(services: dict) -> None:
+    assert {"redis", "dht", "gateway", "worker"} <= set(services)
+    for name, service in services.items():
+        image = service.get("image")
+        assert image and ":" in image and not image.endswith(":latest"), (name, image)
+        if "build" in service:
+            assert (ROOT / service["build"]["context"] / service["build"]["dockerfile"]).is_file(), name
+
+
+def test_redis_is_health_checked_and_the_gateway_waits_for_it(services: dict) -> None:
+    assert services["redis"]["healthcheck"]["test"][-2:] == ["redis-cli", "ping"]
+    assert services["gateway"]["depends_on"]["redis"]["condition"] == "service_healthy"
+
+
+def test_dht_command(services: dict) -> None:
+    args = parse(services["dht"])
+    assert (args.command, args.host, args.port) == ("dht", "0.0.0.0", 31337)
+    assert args.identity_path.startswith("/data/dht/")  # a stable peer id for INITIAL_PEERS
+    assert any(v.split(":")[1] == "/data/dht" for v in services["dht"]["volumes"])
+    assert "31337:31337" in services["dht"]["ports"]
+
+
+def test_gateway_command_and_healthcheck(services: dict) -> None:
+    gateway = services["gateway"]
+    args = parse(gateway)
+    assert args.command == "gateway" and args.model == SAMPLE_ENV["MODEL"]
+    assert args.initial_peers == [SAMPLE_PEER]
+    assert (args.redis_url, args.host, args.port) == ("redis://redis:6379/0", "0.0.0.0", 8000)
+    assert any("/health" in part for part in gateway["healthcheck"]["test"])
+    assert gateway["ports"] == ["8000:8000"]
+
+
+def test_worker_command_gpu_and_weights_cache(services: dict) -> None:
+    worker = services["worker"]
+    args = parse(worker)
+    assert args.command == "worker" and args.model == SAMPLE_ENV["MODEL"]
+    assert args.initial_peers == [SAMPLE_PEER] and args.num_blocks == 12
+    assert (args.device, args.host) == ("cuda", "0.0.0.0")
+    assert worker["deploy"]["resources"]["reservations"]["devices"] == [
+        {"driver": "nvidia", "count": 1, "capabilities": ["gpu"]}
+    ]
+    env = worker["environment"]
+    assert env["MODEL"] == SAMPLE_ENV["MODEL"] and env["INITIAL_PEERS"] == SAMPLE_PEER
+    hf_home = env["HF_HOME"]
+    volume, mount = worker["volumes"][0].split(":")[:2]
+    assert mount == hf_home and volume in compose()["volumes"]
+    assert "depends_on" not in worker  # `docker compose up worker` joins whatever swarm INITIAL_PEERS names
+    assert f"{args.port}:{args.port}" in worker["ports"]
+
+
+def test_gateway_shares_the_weights_cache(services: dict) -> None:
+    worker_volume = services["worker"]["volumes"][0]
+    assert worker_volume in services["gateway"]["volumes"]  # the gateway loads the embeddings and LM head
+    assert services["gateway"]["environment"]["HF_HOME"] == worker_volume.split(":")[1]
+
+
+def test_cpu_worker_profile(services: dict) -> None:
+    cpu = services["worker-cpu"]
+    assert cpu["profiles"] == ["cpu"] and "deploy" not in cpu
+    assert parse(cpu).device == "cpu"
+
+
+def test_defaults_fill_in_and_missing_peers_fail_loudly() -> None:
+    services = compose({"INITIAL_PEERS": SAMPLE_PEER})["services"]
+    assert parse(services["worker"]).model == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    services = compose({})["services"]
+    with pytest.raises(SystemExit):  # no silent single-node swarm: --initial-peers needs a value
+        parse(services["worker"])
+
+
+# ------------------------------------------------------------------------------------ Dockerfiles
+def dockerfile(name: str) -> list[tuple[str, str]]:
+    """(INSTRUCTION, arguments) pairs, continuation lines joined, comments dropped."""
+    text = (ROOT / "docker" / name).read_text()
+    text = re.sub(
+        r"\\\n", " ", "\n".join(line for line in text.splitlines() if not line.lstrip().startswith("#"))
+    )
+    pairs = []
+    for line in text.splitlines():
+        if line.strip():
+            instruction, _, rest = line.strip().partition(" ")
+            pairs.append((instruction.upper(), rest.strip()))
+    return pairs
+
+
+@pytest.mark.parametrize("name", ["Dockerfile.gateway", "Dockerfile.worker", "Dockerfile.worker-cpu"])
+def test_dockerfile(name: str) -> None:
+    steps = dockerfile(name)
+    args = {}
+    for instruction, rest in steps:
+        if instruction == "ARG" and "=" in rest:
+            key, value = rest.split("=", 1)
+            args[key] = value
+    (base,) = [interpolate(rest, args) for instruction, rest in steps if instruction == "FROM"]
+    repo, _, tag = base.partition(":")
+    assert tag and tag != "latest", base
+    if name == "Dockerfile.worker":
+        assert "cuda" in tag and repo == "pytorch/pytorch", base
+    else:
+        assert repo == "python" and "slim" in tag, base
+
+    runs = " ".join(rest for instruction, rest in steps if instruction == "RUN")
+    assert re.search(r"pip install[^&]* (/app|\.)(\s|$)", runs), runs  # the project itself
+    if name != "Dockerfile.worker":
+        assert "download.pytorch.org/whl/cpu" in runs  # CPU torch, not multi-GB CUDA wheels
+    (cmd,) = [rest for instruction, rest in steps if instruction in ("CMD", "ENTRYPOINT")]
+    command = json.loads(cmd)
+    assert command[0] == "swarmserve"
+    commands = build_parser()._subparsers._group_actions[0].choices  # type: ignore[union-attr]
+    assert command[1] in commands
+    assert any(i == "ENV" and "HF_HOME=" in rest for i, rest in steps)
+
+
+def test_dockerignore_keeps_the_context_small() -> None:
+    ignored = {line.strip() for line in (ROOT / ".dockerignore").read_text().splitlines()}
+    assert {".git", ".venv"} <= ignored

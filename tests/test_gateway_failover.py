@@ -1,0 +1,94 @@
+"""A server SIGKILLed in the middle of an SSE stream: the gateway's swarm client fails over and the client
+sees nothing but the same tokens.
+
+Real swarm: blocks 0:1, 1:3, 3:4 of a tiny Llama plus a spare 1:3; ``SwarmBackend`` in this process behind
+real uvicorn; the official OpenAI SDK. Decode steps are slowed down (``InstrumentedBackend``) so the kill
+lands while the stream is still running, not after the last token was computed.
+
+``step_timeout`` is short because a server that dies while a step is in flight is only noticed when the
+step times out: hivemind's stream reader, on a closed connection, waits for the request writer, which
+waits for our next request (``hivemind.p2p.P2P._iterate_protobuf_stream_handler``).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from collections.abc import Iterator
+
+import pytest
+
+from gateway.swarm_backend import SwarmBackend
+from tests.gateway_fixtures import Gateway, InstrumentedBackend, start_gateway
+from tests.swarm_fixtures import Swarm
+
+pytestmark = pytest.mark.slow
+
+MESSAGES = [{"role": "user", "content": "Tell me about the swarm."}]
+KW = dict(messages=MESSAGES, temperature=0, max_tokens=40)
+MIDDLE = "1:3"
+SPANS = ["0:1", MIDDLE, "3:4", MIDDLE]
+
+
+def crash(proc) -> None:
+    """SIGKILL the worker's whole process group (main process, hivemind's DHT process, p2pd): a machine
+    failure, leaving no orphans behind."""
+    os.killpg(proc.popen.pid, signal.SIGKILL)  # spawned with start_new_session: pgid == pid
+    proc.popen.wait(10)
+
+
+@pytest.fixture(scope="module")
+def failover_swarm(tiny_llama: str) -> Iterator[Swarm]:
+    s = Swarm(tiny_llama)
+    try:
+        # fixed spans need no view of each other: start all four at once, then wait for each
+        procs = [s.add_worker("--throughput", "1000", blocks=span, wait=False) for span in SPANS]
+        for proc in procs:
+            proc.peer_id = proc.wait_for("swarmserve worker ready:").split(" as peer ", 1)[1].split(";", 1)[0]
+        yield s
+    finally:
+        s.close()
+
+
+@pytest.fixture(scope="module")
+def gw(failover_swarm: Swarm, tiny_llama: str) -> Iterator[Gateway]:
+    inner = SwarmBackend(
+        tiny_llama, [failover_swarm.initial_peers], update_period=0.5, step_timeout=5.0, failover_deadline=60
+    )
+    gateway = start_gateway(InstrumentedBackend(inner))
+    yield gateway
+    gateway.server.stop()
+    inner.close()
+
+
+def test_sigkill_of_the_middle_server_mid_stream_keeps_the_text(gw: Gateway, failover_swarm: Swarm) -> None:
+    backend: InstrumentedBackend = gw.backend
+    swarm_backend: SwarmBackend = backend.inner
+    client = gw.client(timeout=120)
+    reference = client.chat.completions.create(model=gw.model, **KW)
+    expected = reference.choices[0].message.content
+    assert reference.usage.completion_tokens >= 10, reference  # enough tokens left after the kill
+
+    middles = [w for w in failover_swarm.workers if f"serving blocks {MIDDLE} " in " ".join(w.lines)]
+    assert len(middles) == 2
+    text, chunks, finishes, killed = "", 0, [], None
+    with backend.tweaked(step_delay_s=0.05):
+        stream = client.chat.completions.create(model=gw.model, stream=True, **KW)
+        for chunk in stream:
+            for choice in chunk.choices:
+                text += choice.delta.content or ""
+                if choice.finish_reason is not None:
+                    finishes.append(choice.finish_reason)
+            chunks += 1
+            if chunks == 5:
+                infos = {w.peer_id: swarm_backend.server_info(w.peer_id) for w in middles}
+                killed = next(w for w in middles if infos[w.peer_id]["sessions_attached"] > 0)
+                survivor = next(w for w in middles if w is not killed)
+                survivor_tokens = infos[survivor.peer_id]["tokens_processed"]
+                crash(killed)
+    assert killed is not None, "the stream ended before the kill"
+    assert finishes == [reference.choices[0].finish_reason]
+    assert text == expected
+    # the rest of the stream really went through the spare, after replaying the history into it
+    assert swarm_backend.server_info(survivor.peer_id)["tokens_processed"] > survivor_tokens
+    assert backend.wait_all_closed()
