@@ -75,7 +75,7 @@ class RequestContextMiddleware:
 
 def create_app(backend: ModelBackend, settings: GatewaySettings | None = None) -> FastAPI:
     """The gateway for ``backend``. Routes: ``/v1/chat/completions``, ``/v1/completions``, ``/v1/models``,
-    ``/v1/models/{id}``, ``/health``, ``/v1/swarm``."""
+    ``/v1/models/{id}``, ``/health``, ``/v1/swarm``, ``/metrics``."""
     settings = settings or GatewaySettings()
 
     @asynccontextmanager

@@ -133,16 +133,27 @@ def route_label(scope: Scope) -> str:
 
     The router leaves the matched route in the scope; a request answered before routing (a 401 from the
     auth middleware) is matched here against the app's routes."""
-    route = scope.get("route")
-    if route is None:
-        app = scope.get("app")
-        for candidate in getattr(getattr(app, "router", None), "routes", ()):
-            match, _ = candidate.matches(scope)
-            if match is not Match.NONE:
-                route = candidate
-                break
-    path = getattr(route, "path", None)
-    return path if isinstance(path, str) else UNMATCHED_ROUTE
+    path = getattr(scope.get("route"), "path", None)
+    if isinstance(path, str):
+        return path
+    router = getattr(scope.get("app"), "router", None)
+    return _match(getattr(router, "routes", ()), scope) or UNMATCHED_ROUTE
+
+
+def _match(routes: Any, scope: Scope) -> str | None:
+    """The template of the route among ``routes`` that matches ``scope`` (method aside). FastAPI >= 0.16x
+    wraps included routers in an object without a path that holds the router (``original_router``)."""
+    for route in routes:
+        inner = getattr(route, "original_router", None)
+        if inner is not None:
+            found = _match(getattr(inner, "routes", ()), scope)
+            if found is not None:
+                return found
+            continue
+        path = getattr(route, "path", None)
+        if isinstance(path, str) and route.matches(scope)[0] is not Match.NONE:
+            return path
+    return None
 
 
 def _error_code(payload: Any) -> str | None:

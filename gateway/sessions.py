@@ -216,6 +216,9 @@ class AffinityStore(ABC):
             return await self._claim_prefix(prompt_ids)
         except StoreUnavailable:
             return None
+        except Exception:  # a corrupt record, a bug: never fail a request over an optimization
+            logger.warning("session-affinity lookup failed; serving without reuse", exc_info=True)
+            return None
 
     async def save(self, claim: Claim, state: dict[str, Any], token_ids: Sequence[int], replica: str) -> bool:
         """Write (or write back) the session under ``claim.rid`` and index its prefixes; False if the store is
@@ -228,6 +231,9 @@ class AffinityStore(ABC):
         try:
             await self._set_many(items, self._ttl_ms)
         except StoreUnavailable:
+            return False
+        except Exception:
+            logger.warning("session-affinity write failed; the session will not be reused", exc_info=True)
             return False
         return True
 
@@ -400,14 +406,15 @@ class RedisAffinityStore(AffinityStore):
         return self._client
 
     async def _io(self, op: Callable[[Any], Awaitable[T]]) -> T:
-        from redis.exceptions import ConnectionError as RedisConnectionError
-        from redis.exceptions import TimeoutError as RedisTimeoutError
+        """Run one Redis operation; any Redis failure (unreachable, but also OOM, READONLY, auth) makes the
+        store unavailable for ``retry_interval_s``: logged once per outage, never per request."""
+        from redis.exceptions import RedisError
 
         if self._down and time.monotonic() < self._retry_at:
             raise StoreUnavailable(f"redis at {self.url} is unreachable")
         try:
             result = await op(self._redis())
-        except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
+        except (RedisError, OSError) as exc:
             if not self._down:
                 logger.warning(
                     "session-affinity store: Redis at %s is unreachable (%s); serving without KV-cache reuse "

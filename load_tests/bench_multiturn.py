@@ -148,10 +148,8 @@ def stream_turn(http: httpx.Client, model: str, messages: list[dict], max_tokens
 
 
 def markdown(report: dict) -> str:
-    rows = [
-        "| turn | prompt tokens | cached (affinity) | TTFT with affinity (ms) | TTFT without (ms) | same text |",
-        "|---:|---:|---:|---:|---:|:---:|",
-    ]
+    columns = ["turn", "prompt tokens", "cached (affinity)", "TTFT with affinity (ms)", "TTFT without (ms)"]
+    rows = ["| " + " | ".join([*columns, "same text"]) + " |", "|---:|---:|---:|---:|---:|:---:|"]
     for t in report["turns"]:
         a, p = t["affinity"], t["no_affinity"]
         rows.append(
@@ -195,15 +193,14 @@ def main(argv: list[str] | None = None) -> int:
     turns: list[dict] = []
     try:
         backend = SwarmBackend(model_dir, own.maddrs, model_id=model, dht_prefix=own.prefix, dht=own.dht)
-        servers = {
-            "affinity": BackgroundServer(create_app(backend, GatewaySettings(model=model))).start(60),
-            "no_affinity": BackgroundServer(create_app(backend, GatewaySettings(model=model, affinity=False))).start(60),
-        }  # fmt: skip
+        settings = {
+            "affinity": GatewaySettings(model=model),
+            "no_affinity": GatewaySettings(model=model, affinity=False),
+        }
+        servers = {mode: BackgroundServer(create_app(backend, s)).start(60) for mode, s in settings.items()}
         clients = {mode: httpx.Client(base_url=s.url, timeout=600) for mode, s in servers.items()}
-        for (
-            mode,
-            http,
-        ) in clients.items():  # warm-up: routes, connections, allocator; a conversation of its own
+        # warm-up (routes, connections, allocator), each gateway in a conversation of its own
+        for mode, http in clients.items():
             stream_turn(http, model, [{"role": "user", "content": f"Warm-up for {mode}."}], 4)
         conversations = {mode: [{"role": "system", "content": SYSTEM}] for mode in clients}
         for i, question in enumerate(QUESTIONS[: args.turns]):
@@ -216,9 +213,9 @@ def main(argv: list[str] | None = None) -> int:
             row["same_text"] = row["affinity"]["text"] == row["no_affinity"]["text"]
             a, n = row["affinity"], row["no_affinity"]
             print(
-                f"turn {i + 1:2d}: prompt {a['prompt_tokens']:4d} tokens, cached {a['cached_tokens']:4d}; TTFT "
-                f"{a['ttft_ms']:7.0f} ms with affinity, {n['ttft_ms']:7.0f} ms without; same text: "
-                f"{row['same_text']}",
+                f"turn {i + 1:2d}: prompt {a['prompt_tokens']:4d} tokens, cached {a['cached_tokens']:4d}; "
+                f"TTFT {a['ttft_ms']:7.0f} ms with affinity, {n['ttft_ms']:7.0f} ms without; "
+                f"same text: {row['same_text']}",
                 flush=True,
             )
             turns.append(row)
