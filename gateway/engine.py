@@ -288,10 +288,14 @@ class _SessionHandle:
         """Keep the caches and record them; False if the session could not be detached (close it then)."""
         if not reuse.store.available:  # nowhere to record it: free the caches now rather than at the TTL
             return False
+        session = self.session
+        assert session is not None
+        if not reuse.claim.keyed and len(session.token_ids) < reuse.store.block_tokens:
+            return False  # shorter than one indexed block: no later prompt could find it
         try:
             snapshot = await asyncio.get_running_loop().run_in_executor(
                 self._executor,
-                self.session.detach,  # type: ignore[union-attr]
+                session.detach,  # type: ignore[attr-defined]
             )
         except Exception:
             logger.warning("detaching a finished session failed; closing it", exc_info=True)

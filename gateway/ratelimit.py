@@ -273,8 +273,8 @@ class MemoryWindowStore:
 
 
 # KEYS[1]: prefix; ARGV[1]: window seconds; then (name, limit, cost) triples. Redis's clock, so replicas
-# agree on the window whatever their own clocks say. Numbers go back as strings (Lua numbers would be
-# truncated to integers on the way out).
+# agree on the window whatever their own clocks say (writes after TIME need Redis >= 5: effects replication).
+# Numbers go back as strings (Lua numbers would be truncated to integers on the way out).
 _HIT_SCRIPT = """
 local prefix, window = KEYS[1], tonumber(ARGV[1])
 local t = redis.call('TIME')

@@ -42,6 +42,8 @@ class ClientConfig:
     #: total time a step may spend failing over before SessionLost / NoRouteError
     failover_deadline: float = 60.0
     ping_timeout: float = 3.0
+    #: a step silent for this long triggers a liveness ping of its server (see _ServerSession)
+    probe_after: float = 1.0
     compression: str = "none"
     ban_base: float = 1.0
     ban_max: float = 60.0

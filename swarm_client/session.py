@@ -49,6 +49,10 @@ class _ServerSession:
         self.position = 0
         self._queue: asyncio.Queue = asyncio.Queue()
         self._responses: AsyncIterator | None = None
+        #: responses (or the exception that ended the stream) pulled by one reader task per stream, so a
+        #: timed-out wait can be abandoned without cancelling the transport's generator mid-message
+        self._inbox: asyncio.Queue = asyncio.Queue()
+        self._reader: asyncio.Task | None = None
         self.closed = False
 
     async def _requests(self):
@@ -58,19 +62,45 @@ class _ServerSession:
                 return
             yield item
 
+    async def _read_responses(self) -> None:
+        try:
+            async for response in self._responses:
+                self._inbox.put_nowait(response)
+            self._inbox.put_nowait(StopAsyncIteration())
+        except Exception as e:
+            self._inbox.put_nowait(e)
+
+    async def _next_response(self, timeout: float):
+        """The next response; a server that is silent past ``probe_after`` is pinged, and a failed ping
+        (a SIGKILLed worker whose p2p daemon still holds the connection) fails the step at once."""
+        config = self.manager.config
+        deadline = time.monotonic() + timeout
+        wait = min(config.probe_after, timeout)
+        while True:
+            try:
+                async with asyncio.timeout(wait):
+                    return await self._inbox.get()
+            except TimeoutError:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise PeerTimeout(
+                        f"server {self.hop.peer_id} did not answer within {timeout:.1f}s", self.hop.peer_id
+                    ) from None
+                try:
+                    await self.manager.info(self.hop.peer_id, timeout=min(config.ping_timeout, remaining))
+                except PeerError as e:
+                    raise PeerError(f"server {self.hop.peer_id} stopped answering: {e}", self.hop.peer_id) from e
+                wait = min(config.probe_after, max(deadline - time.monotonic(), 0.001))
+
     async def _exchange(self, request, timeout: float) -> tuple[list[torch.Tensor], dict]:
         self._queue.put_nowait(request)
-        try:
-            async with asyncio.timeout(timeout):  # no extra task per step, unlike wait_for
-                response = await anext(self._responses)
-        except asyncio.TimeoutError as e:
-            raise PeerTimeout(f"server {self.hop.peer_id} did not answer within {timeout:.1f}s", self.hop.peer_id) from e
-        except StopAsyncIteration as e:
-            raise PeerError(f"server {self.hop.peer_id} closed the stream", self.hop.peer_id) from e
-        except SwarmError:
-            raise
-        except Exception as e:
-            raise PeerError(f"server {self.hop.peer_id} stream failed: {e}", self.hop.peer_id) from e
+        response = await self._next_response(timeout)
+        if isinstance(response, StopAsyncIteration):
+            raise PeerError(f"server {self.hop.peer_id} closed the stream", self.hop.peer_id)
+        if isinstance(response, SwarmError):
+            raise response
+        if isinstance(response, Exception):
+            raise PeerError(f"server {self.hop.peer_id} stream failed: {response}", self.hop.peer_id) from response
         metadata = protocol.unpack_metadata(response.metadata)
         if "error" in metadata:
             raise error_from_wire(metadata["error"], peer_id=self.hop.peer_id)
@@ -82,6 +112,7 @@ class _ServerSession:
             self._responses = await asyncio.wait_for(stub.rpc_inference(self._requests()), timeout)
         except Exception as e:
             raise PeerError(f"could not open a stream to {self.hop.peer_id}: {e}", self.hop.peer_id) from e
+        self._reader = asyncio.create_task(self._read_responses())
         spec = {
             "session_id": self.session_id,
             "max_length": max_length,
@@ -123,15 +154,11 @@ class _ServerSession:
         if self._responses is not None:
             self._queue.put_nowait(protocol.make_request(close={"keep": keep}))
         self._queue.put_nowait(None)
-        if self._responses is not None:
+        if self._reader is not None:
             try:
-                await asyncio.wait_for(self._drain(), 2.0)
+                await asyncio.wait_for(asyncio.shield(self._reader), 2.0)
             except Exception:
-                pass  # the server frees the session when the stream breaks anyway
-
-    async def _drain(self) -> None:
-        async for _ in self._responses:
-            pass
+                self._reader.cancel()  # the server frees the session when the stream breaks anyway
 
 
 class HistoryBuffer:

@@ -67,10 +67,20 @@ class Proc:
             except subprocess.TimeoutExpired:
                 self.popen.kill()
                 self.popen.wait(5)
+        self._kill_group()
         return self.popen.returncode
 
     def kill(self) -> None:
-        self.stop(signal.SIGKILL, timeout=5)
+        """SIGKILL the whole server: the worker, its DHT process and its p2p daemon (a machine dying)."""
+        self._kill_group()
+        self.popen.wait(5)
+
+    def _kill_group(self) -> None:
+        # children (hivemind's DHT process, p2pd) would otherwise outlive a killed worker
+        try:
+            os.killpg(self.popen.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
 
 
 def spawn(name: str, args: list[str]) -> Proc:

@@ -456,6 +456,17 @@ def test_local_n_choices_only_choice_0_reuses(local_pair: tuple[Gateway, Gateway
     assert 0 < r.usage.prompt_tokens_details.cached_tokens < r.usage.prompt_tokens
 
 
+def test_local_sessions_too_short_to_find_are_not_kept(local_pair: tuple[Gateway, Gateway]) -> None:
+    reuse, _ = local_pair
+    backend: ResumableLocal = reuse.backend
+    client = reuse.client()
+    before = len(backend.kept)
+    client.completions.create(model=reuse.model, prompt="Hi", max_tokens=3, temperature=0)
+    assert len(backend.kept) == before  # under one 16-token block: no prompt could ever find it
+    client.completions.create(model=reuse.model, prompt="Hi", max_tokens=3, temperature=0, user="short")
+    assert len(backend.kept) == before + 1  # a keyed session is found by its key
+
+
 # --------------------------------------------------------------------------------------- the real swarm
 
 SPANS = ["0:2", "2:4"]

@@ -42,7 +42,8 @@ class StepBatcher:
         self.compute_seconds: deque[float] = deque(maxlen=512)
 
     async def submit(self, item: StepItem) -> torch.Tensor:
-        if self.single_stream is not None and self.single_stream() and not self._pending and self._idle():
+        small = item.hidden.shape[0] * item.hidden.shape[1] <= 8  # never block the loop on a long prefill
+        if small and self.single_stream is not None and self.single_stream() and not self._pending and self._idle():
             self.batches += 1
             self.batched_items += 1
             self.max_batch_seen = max(self.max_batch_seen, 1)
