@@ -41,7 +41,9 @@ def _add_worker(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--cache-tokens", type=int, default=16384, help="KV-cache budget in token slots")
-    p.add_argument("--session-ttl", type=float, default=300.0, help="keep a finished session's cache this long (s)")
+    p.add_argument(
+        "--session-ttl", type=float, default=300.0, help="keep a finished session's cache this long (s)"
+    )
     p.add_argument("--idle-timeout", type=float, default=300.0, help="close a stream idle for this long (s)")
     p.add_argument("--max-sessions", type=int, default=4096, help="sessions of all peers together")
     p.add_argument("--max-sessions-per-peer", type=int, default=256, help="open sessions of one client peer")
@@ -80,7 +82,9 @@ def _add_worker(sub: argparse._SubParsersAction) -> None:
 
 
 def _add_tiny_model(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("tiny-model", help="write a small random-weight model with a real tokenizer", add_help=False)
+    p = sub.add_parser(
+        "tiny-model", help="write a small random-weight model with a real tokenizer", add_help=False
+    )
     p.set_defaults(func=_cmd_tiny_model)
 
 
@@ -155,7 +159,9 @@ def _cmd_worker(args: argparse.Namespace, rest: list[str]) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="swarmserve", description="OpenAI-compatible LLM serving over a swarm")
+    parser = argparse.ArgumentParser(
+        prog="swarmserve", description="OpenAI-compatible LLM serving over a swarm"
+    )
     parser.add_argument("--log-level", default="INFO")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_tiny_model(sub)

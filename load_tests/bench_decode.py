@@ -107,7 +107,9 @@ def summarize(times: list[float]) -> dict:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--model", default="tiny", help="tiny | medium | smollm | a local model directory")
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--workers", default="1,2,3", help="comma-separated worker counts to measure")
@@ -119,15 +121,24 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="bench-decode-") as tmp:
         model_path = resolve_model(args.model, Path(tmp))
         local = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
-        prompt = torch.randint(0, local.config.vocab_size, (1, 16), generator=torch.Generator().manual_seed(0))
+        prompt = torch.randint(
+            0, local.config.vocab_size, (1, 16), generator=torch.Generator().manual_seed(0)
+        )
         time_local(local, prompt, 4)  # warm-up
         local_times = time_local(local, prompt, args.tokens)
-        results = {"model": args.model, "tokens": args.tokens, "local": summarize(local_times), "distributed": {}}
+        results = {
+            "model": args.model,
+            "tokens": args.tokens,
+            "local": summarize(local_times),
+            "distributed": {},
+        }
         print(f"local: {results['local']['median_ms']:.2f} ms/token (median)", flush=True)
         for workers in [int(w) for w in args.workers.split(",")]:
             spans = spans_for(local.config.num_hidden_layers, workers)
             with swarm(model_path, spans) as s:
-                dist = AutoDistributedModelForCausalLM.from_pretrained(model_path, initial_peers=[s.initial_peers])
+                dist = AutoDistributedModelForCausalLM.from_pretrained(
+                    model_path, initial_peers=[s.initial_peers]
+                )
                 time_distributed(dist, prompt, 4)  # warm-up: routing, RTT probes, stream setup
                 times, produced = time_distributed(dist, prompt, args.tokens)
                 dist.shutdown()

@@ -40,17 +40,22 @@ print((psutil.Process().memory_info().rss - before) // 2**20)
 
 
 def rss_growth_mb(mode: str, path: str) -> int:
-    out = subprocess.run([sys.executable, "-c", CHILD, mode, path], capture_output=True, text=True, check=True, cwd=ROOT)
+    out = subprocess.run(
+        [sys.executable, "-c", CHILD, mode, path], capture_output=True, text=True, check=True, cwd=ROOT
+    )
     return int(out.stdout.strip().splitlines()[-1])
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--model", default="medium", help="tiny | medium | smollm | a local model directory")
     parser.add_argument("--out", default="bench_results/rss.json")
     args = parser.parse_args()
-    from load_tests.bench_decode import resolve_model
     from transformers import AutoConfig
+
+    from load_tests.bench_decode import resolve_model
 
     with tempfile.TemporaryDirectory(prefix="bench-rss-") as tmp:
         path = resolve_model(args.model, Path(tmp))

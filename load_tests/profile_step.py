@@ -82,7 +82,9 @@ async def transport_floor(hidden: torch.Tensor, repeat: int) -> float:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--model", default="tiny")
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--out", default=None)
@@ -110,9 +112,14 @@ def main() -> int:
         caches.ensure_capacity(cache, args.steps + 40)
         x = torch.randn(1, 1, config.hidden_size)
         runner.inference_step(cache, torch.randn(1, 16, config.hidden_size), 0)
-        results["blocks_in_process_ms"] = median_ms(lambda: runner.inference_step(cache, x, cache.position), args.steps)
+        results["blocks_in_process_ms"] = median_ms(
+            lambda: runner.inference_step(cache, x, cache.position), args.steps
+        )
 
-        head = family.build_head(config, {k: v for k, v in state.items() if any(k.startswith(p) for p in family.head_prefixes(config))})
+        head = family.build_head(
+            config,
+            {k: v for k, v in state.items() if any(k.startswith(p) for p in family.head_prefixes(config))},
+        )
         token = torch.tensor([[5]])
         results["client_head_ms"] = median_ms(lambda: head.final(head.embed(token)), args.steps)
         results["serialize_roundtrip_ms"] = median_ms(

@@ -70,7 +70,13 @@ class CacheExhaustedError(RemoteError):
 
 _BY_CODE: dict[str, type[RemoteError]] = {
     cls.code: cls
-    for cls in (RemoteError, InvalidInputError, LengthExceededError, SessionNotFoundError, CacheExhaustedError)
+    for cls in (
+        RemoteError,
+        InvalidInputError,
+        LengthExceededError,
+        SessionNotFoundError,
+        CacheExhaustedError,
+    )
 }
 
 

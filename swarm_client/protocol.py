@@ -17,8 +17,7 @@ Forward / backward (``rpc_forward`` / ``rpc_backward``) are stream → stream so
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import AsyncIterator  # noqa: UP035 - hivemind detects streams by typing.AsyncIterator only
-from typing import Any
+from typing import Any, AsyncIterator  # noqa: UP035 - hivemind detects streams by typing.AsyncIterator only
 
 import torch
 from hivemind.compression.serialization import deserialize_torch_tensor, serialize_torch_tensor
@@ -74,24 +73,28 @@ def deserialize(message: runtime_pb2.Tensor) -> torch.Tensor:
     return deserialize_torch_tensor(message)
 
 
-def make_request(tensors: Sequence[torch.Tensor] = (), compression: str = "none", **metadata) -> runtime_pb2.ExpertRequest:
+def make_request(
+    tensors: Sequence[torch.Tensor] = (), compression: str = "none", **metadata
+) -> runtime_pb2.ExpertRequest:
     return runtime_pb2.ExpertRequest(
         tensors=[serialize(t, compression) for t in tensors], metadata=pack_metadata(metadata)
     )
 
 
-def make_response(tensors: Sequence[torch.Tensor] = (), compression: str = "none", **metadata) -> runtime_pb2.ExpertResponse:
+def make_response(
+    tensors: Sequence[torch.Tensor] = (), compression: str = "none", **metadata
+) -> runtime_pb2.ExpertResponse:
     return runtime_pb2.ExpertResponse(
         tensors=[serialize(t, compression) for t in tensors], metadata=pack_metadata(metadata)
     )
 
 
-def split_message(tensors: Sequence[torch.Tensor], metadata: dict, cls, compression: str = "none") -> Iterable:
+def split_message(
+    tensors: Sequence[torch.Tensor], metadata: dict, cls, compression: str = "none"
+) -> Iterable:
     """Yield ``cls`` messages carrying ``tensors`` in chunks; metadata rides on the first one."""
     parts = [
-        part
-        for t in tensors
-        for part in split_for_streaming(serialize(t, compression), STREAM_CHUNK_BYTES)
+        part for t in tensors for part in split_for_streaming(serialize(t, compression), STREAM_CHUNK_BYTES)
     ]
     if not parts:
         yield cls(metadata=pack_metadata(metadata))

@@ -82,8 +82,10 @@ class SequenceManager:
     async def info(self, peer_id: str, timeout: float | None = None) -> dict:
         stub = await self.stub(peer_id)
         try:
-            response = await stub.rpc_info(runtime_pb2.ExpertUID(uid=""), timeout=timeout or self.config.request_timeout)
-        except asyncio.TimeoutError as e:
+            response = await stub.rpc_info(
+                runtime_pb2.ExpertUID(uid=""), timeout=timeout or self.config.request_timeout
+            )
+        except TimeoutError as e:
             raise PeerTimeout(f"peer {peer_id} did not answer info within {timeout}s") from e
         except Exception as e:
             raise PeerError(f"peer {peer_id} info failed: {e}") from e

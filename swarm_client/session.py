@@ -89,7 +89,9 @@ class _ServerSession:
                 try:
                     await self.manager.info(self.hop.peer_id, timeout=min(config.ping_timeout, remaining))
                 except PeerError as e:
-                    raise PeerError(f"server {self.hop.peer_id} stopped answering: {e}", self.hop.peer_id) from e
+                    raise PeerError(
+                        f"server {self.hop.peer_id} stopped answering: {e}", self.hop.peer_id
+                    ) from e
                 wait = min(config.probe_after, max(deadline - time.monotonic(), 0.001))
 
     async def _exchange(self, request, timeout: float) -> tuple[list[torch.Tensor], dict]:
@@ -100,7 +102,9 @@ class _ServerSession:
         if isinstance(response, SwarmError):
             raise response
         if isinstance(response, Exception):
-            raise PeerError(f"server {self.hop.peer_id} stream failed: {response}", self.hop.peer_id) from response
+            raise PeerError(
+                f"server {self.hop.peer_id} stream failed: {response}", self.hop.peer_id
+            ) from response
         metadata = protocol.unpack_metadata(response.metadata)
         if "error" in metadata:
             raise error_from_wire(metadata["error"], peer_id=self.hop.peer_id)
@@ -136,10 +140,14 @@ class _ServerSession:
             compression_out=self.manager.config.compression,
         )
         tensors, metadata = await self._exchange(request, timeout)
-        expected = (self.hop.end - self.hop.start, *hidden.shape) if output_hidden_states else tuple(hidden.shape)
+        expected = (
+            (self.hop.end - self.hop.start, *hidden.shape) if output_hidden_states else tuple(hidden.shape)
+        )
         if len(tensors) != 1 or tuple(tensors[0].shape) != expected:
             got = [tuple(t.shape) for t in tensors]
-            raise PeerError(f"server {self.hop.peer_id} returned shapes {got}, expected {expected}", self.hop.peer_id)
+            raise PeerError(
+                f"server {self.hop.peer_id} returned shapes {got}, expected {expected}", self.hop.peer_id
+            )
         out = tensors[0]
         if not torch.isfinite(out).all():
             raise PeerError(f"server {self.hop.peer_id} returned non-finite activations", self.hop.peer_id)
@@ -254,7 +262,9 @@ class InferenceSession:
         await self.aclose()
 
     # ------------------------------------------------------------------ public API
-    def step(self, hidden: torch.Tensor, position: int | None = None, output_hidden_states: bool = False) -> torch.Tensor:
+    def step(
+        self, hidden: torch.Tensor, position: int | None = None, output_hidden_states: bool = False
+    ) -> torch.Tensor:
         return runtime.run(self.astep(hidden, position, output_hidden_states))
 
     def close(self) -> None:
@@ -274,7 +284,9 @@ class InferenceSession:
         if self.closed:
             return
         self.closed = True
-        await asyncio.gather(*(hop.close(keep=self.keep_on_close) for hop in self._hops), return_exceptions=True)
+        await asyncio.gather(
+            *(hop.close(keep=self.keep_on_close) for hop in self._hops), return_exceptions=True
+        )
 
     async def astep(
         self, hidden: torch.Tensor, position: int | None = None, output_hidden_states: bool = False
@@ -282,7 +294,9 @@ class InferenceSession:
         if self.closed:
             raise SessionLost("the inference session is closed")
         if hidden.ndim != 3 or hidden.shape[0] != self.batch_size:
-            raise InvalidInputError(f"expected hidden states [batch={self.batch_size}, tokens, hidden], got {tuple(hidden.shape)}")
+            raise InvalidInputError(
+                f"expected hidden states [batch={self.batch_size}, tokens, hidden], got {tuple(hidden.shape)}"
+            )
         position = self.position if position is None else position
         if position != self.position:
             self.rollback(position)
@@ -293,7 +307,10 @@ class InferenceSession:
             )
         if not self._hops:
             await self._build_chain(0, self.start, self.end)
-        chunk = max(1, protocol.MAX_STEP_BYTES // max(1, hidden[0, 0].numel() * hidden.element_size() * self.batch_size))
+        chunk = max(
+            1,
+            protocol.MAX_STEP_BYTES // max(1, hidden[0, 0].numel() * hidden.element_size() * self.batch_size),
+        )
         outputs = []
         for offset in range(0, length, chunk):
             piece = hidden[:, offset : offset + chunk]
@@ -312,7 +329,9 @@ class InferenceSession:
         timeout = self.manager.config.connect_timeout
         try:
             for hop in hops:
-                session = _ServerSession(self.manager, hop, f"{self.session_id}:{hop.start}:{hop.end}:{uuid.uuid4().hex[:8]}")
+                session = _ServerSession(
+                    self.manager, hop, f"{self.session_id}:{hop.start}:{hop.end}:{uuid.uuid4().hex[:8]}"
+                )
                 opened.append(session)
                 await session.open(self.max_length, self.batch_size, resume=False, timeout=timeout)
                 self.manager.bans.report_success(hop.peer_id)
@@ -326,7 +345,9 @@ class InferenceSession:
         deadline = time.monotonic() + self.manager.config.failover_deadline
         while True:
             try:
-                hops = await self.manager.make_route(start, end, cache_tokens_needed=self.max_length * self.batch_size)
+                hops = await self.manager.make_route(
+                    start, end, cache_tokens_needed=self.max_length * self.batch_size
+                )
                 sessions = await self._open_hops(hops)
                 break
             except CALLER_ERRORS:
@@ -343,7 +364,9 @@ class InferenceSession:
         self._hops[index:index] = sessions
         self._history[index:index] = [HistoryBuffer() for _ in sessions]
 
-    async def _step_chain(self, hidden: torch.Tensor, position: int, output_hidden_states: bool) -> torch.Tensor:
+    async def _step_chain(
+        self, hidden: torch.Tensor, position: int, output_hidden_states: bool
+    ) -> torch.Tensor:
         deadline = time.monotonic() + self.manager.config.failover_deadline
         x = hidden
         states: list[torch.Tensor] = []
@@ -355,7 +378,10 @@ class InferenceSession:
             except CALLER_ERRORS:
                 raise
             except (PeerError, RemoteError) as e:
-                if isinstance(e, SessionNotFoundError | CacheExhaustedError | PeerError) or type(e) is RemoteError:
+                if (
+                    isinstance(e, SessionNotFoundError | CacheExhaustedError | PeerError)
+                    or type(e) is RemoteError
+                ):
                     await self._replace_hop(index, position, e, deadline)
                     continue  # retry this index with the replacement hop(s)
                 raise
@@ -435,14 +461,21 @@ class InferenceSession:
             "start": self.start,
             "end": self.end,
             "hops": [
-                {"peer_id": h.hop.peer_id, "start": h.hop.start, "end": h.hop.end, "server_session_id": h.session_id}
+                {
+                    "peer_id": h.hop.peer_id,
+                    "start": h.hop.start,
+                    "end": h.hop.end,
+                    "server_session_id": h.session_id,
+                }
                 for h in self._hops
             ],
             "token_ids": [list(c) for c in self.token_ids],
         }
 
     @classmethod
-    async def aresume(cls, manager: SequenceManager, state: dict, keep_on_close: bool = True) -> InferenceSession:
+    async def aresume(
+        cls, manager: SequenceManager, state: dict, keep_on_close: bool = True
+    ) -> InferenceSession:
         """Re-attach to the caches a previous session left on its servers (``keep_on_close=True``).
 
         Raises ``SessionNotFoundError`` if any server no longer holds the expected prefix; the caller then
@@ -458,12 +491,22 @@ class InferenceSession:
             keep_on_close,
         )
         position = int(state["position"])
-        hops = [_ServerSession(manager, RouteHop(h["peer_id"], h["start"], h["end"]), h["server_session_id"]) for h in state["hops"]]
+        hops = [
+            _ServerSession(manager, RouteHop(h["peer_id"], h["start"], h["end"]), h["server_session_id"])
+            for h in state["hops"]
+        ]
         try:
             for hop in hops:
-                held = await hop.open(session.max_length, session.batch_size, resume=True, timeout=manager.config.connect_timeout)
+                held = await hop.open(
+                    session.max_length,
+                    session.batch_size,
+                    resume=True,
+                    timeout=manager.config.connect_timeout,
+                )
                 if held < position:
-                    raise SessionNotFoundError(f"server {hop.hop.peer_id} holds {held} tokens, expected {position}")
+                    raise SessionNotFoundError(
+                        f"server {hop.hop.peer_id} holds {held} tokens, expected {position}"
+                    )
         except BaseException:
             await asyncio.gather(*(h.close(keep=True) for h in hops), return_exceptions=True)
             raise

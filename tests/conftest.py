@@ -14,7 +14,11 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 def tiny_llama(tmp_path_factory) -> str:
     from swarm_client.tiny_model import make_tiny_model
 
-    return str(make_tiny_model(tmp_path_factory.mktemp("models") / "tiny-llama", family="llama", num_layers=4, seed=0))
+    return str(
+        make_tiny_model(
+            tmp_path_factory.mktemp("models") / "tiny-llama", family="llama", num_layers=4, seed=0
+        )
+    )
 
 
 @pytest.fixture(scope="session")

@@ -53,11 +53,15 @@ class Proc:
             except queue.Empty:
                 break
             if line is None:
-                raise RuntimeError(f"{self.name} exited (rc={self.popen.poll()}) before printing {prefix!r}:\n"
-                                   + "\n".join(self.lines[-40:]))
+                raise RuntimeError(
+                    f"{self.name} exited (rc={self.popen.poll()}) before printing {prefix!r}:\n"
+                    + "\n".join(self.lines[-40:])
+                )
             if line.startswith(prefix):
                 return line
-        raise TimeoutError(f"{self.name} did not print {prefix!r} within {timeout}s:\n" + "\n".join(self.lines[-40:]))
+        raise TimeoutError(
+            f"{self.name} did not print {prefix!r} within {timeout}s:\n" + "\n".join(self.lines[-40:])
+        )
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 15.0) -> int | None:
         if self.popen.poll() is None:
@@ -108,8 +112,18 @@ class Swarm:
         self.workers: list[Proc] = []
 
     def add_worker(self, *extra: str, blocks: str | None = None, wait: bool = True) -> Proc:
-        args = ["worker", "--model", self.model_path, "--initial-peers", self.initial_peers, "--update-period", "1",
-                "--torch-threads", "1", *extra]
+        args = [
+            "worker",
+            "--model",
+            self.model_path,
+            "--initial-peers",
+            self.initial_peers,
+            "--update-period",
+            "1",
+            "--torch-threads",
+            "1",
+            *extra,
+        ]
         if blocks is not None:
             args += ["--blocks", blocks]
         proc = spawn(f"worker{len(self.workers)}", args)

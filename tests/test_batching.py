@@ -23,7 +23,11 @@ def runner_and_layout(tiny_llama, local_llama):
     blocks = []
     for i in range(config.num_hidden_layers):
         prefix = family.layer_prefix(i)
-        blocks.append(family.build_block(config, i, {k[len(prefix) :]: v.clone() for k, v in state.items() if k.startswith(prefix)}))
+        blocks.append(
+            family.build_block(
+                config, i, {k[len(prefix) :]: v.clone() for k, v in state.items() if k.startswith(prefix)}
+            )
+        )
     return SpanRunner(blocks, torch.float32, torch.device("cpu")), family.cache_layout(config), config
 
 
@@ -45,9 +49,14 @@ def test_batched_decode_equals_unbatched(runner_and_layout):
     alone = make_sessions(runner, layout, lengths, batches)
     together = make_sessions(runner, layout, lengths, batches)
     for step in range(5):
-        tokens = [torch.randn(b, 1, 64, generator=torch.Generator().manual_seed(100 * step + i)) for i, b in enumerate(batches)]
+        tokens = [
+            torch.randn(b, 1, 64, generator=torch.Generator().manual_seed(100 * step + i))
+            for i, b in enumerate(batches)
+        ]
         expected = [runner.inference_step(c, t, c.position) for c, t in zip(alone, tokens, strict=True)]
-        got = runner.inference_batch([StepItem(c, t, c.position) for c, t in zip(together, tokens, strict=True)])
+        got = runner.inference_batch(
+            [StepItem(c, t, c.position) for c, t in zip(together, tokens, strict=True)]
+        )
         for e, g in zip(expected, got, strict=True):
             torch.testing.assert_close(g, e, atol=1e-4, rtol=0)
     assert [c.position for c in together] == [c.position for c in alone]
@@ -81,7 +90,9 @@ def test_step_batcher_groups_concurrent_steps(runner_and_layout):
 
     outs = asyncio.run(run_all())
     for cache, out in zip(reference, outs, strict=True):
-        torch.testing.assert_close(out, runner.inference_step(cache, token, cache.position), atol=1e-4, rtol=0)
+        torch.testing.assert_close(
+            out, runner.inference_step(cache, token, cache.position), atol=1e-4, rtol=0
+        )
     assert batcher.batches < len(sessions)  # at least some steps shared a pass
     assert batcher.max_batch_seen > 1
     executor.shutdown()

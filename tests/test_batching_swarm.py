@@ -14,8 +14,12 @@ pytestmark = pytest.mark.slow
 
 
 def test_concurrent_greedy_sessions_are_batched_and_exact(tiny_llama, local_llama):
-    prompts = [torch.randint(0, 1000, (1, 3 + i), generator=torch.Generator().manual_seed(i)) for i in range(8)]
-    expected = [local_llama.generate(p, max_new_tokens=12, do_sample=False)[0, p.shape[1] :].tolist() for p in prompts]
+    prompts = [
+        torch.randint(0, 1000, (1, 3 + i), generator=torch.Generator().manual_seed(i)) for i in range(8)
+    ]
+    expected = [
+        local_llama.generate(p, max_new_tokens=12, do_sample=False)[0, p.shape[1] :].tolist() for p in prompts
+    ]
     with swarm(tiny_llama, ["0:2", "2:4"]) as s:
         model = AutoDistributedModelForCausalLM.from_pretrained(tiny_llama, initial_peers=[s.initial_peers])
         try:

@@ -7,8 +7,7 @@ import time
 import pytest
 import torch
 
-from swarm_client import AutoDistributedModelForCausalLM, NoRouteError
-from swarm_client import runtime
+from swarm_client import AutoDistributedModelForCausalLM, NoRouteError, runtime
 from tests.swarm_fixtures import Swarm
 
 pytestmark = pytest.mark.slow
@@ -19,7 +18,9 @@ NEW_TOKENS = 40
 
 @pytest.fixture(scope="module")
 def reference(local_llama):
-    return local_llama.generate(PROMPT, max_new_tokens=NEW_TOKENS, do_sample=False)[0, PROMPT.shape[1] :].tolist()
+    return local_llama.generate(PROMPT, max_new_tokens=NEW_TOKENS, do_sample=False)[
+        0, PROMPT.shape[1] :
+    ].tolist()
 
 
 def greedy_with_hook(model, hook, max_length=64) -> tuple[list[int], object]:

@@ -3,6 +3,7 @@
 import httpx
 import openai
 import pytest
+
 from tests.gateway_fixtures import (
     BrokenStateBackend,
     Gateway,

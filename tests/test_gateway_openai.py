@@ -1,6 +1,7 @@
 """The official OpenAI SDK against a real uvicorn gateway over a tiny random Llama (LocalBackend)."""
 
 import pytest
+
 from tests.gateway_fixtures import Gateway, shared_gateway, tiny_tokenizer
 
 HELLO = [{"role": "user", "content": "Tell me about the swarm."}]

@@ -5,6 +5,7 @@ import time
 
 import httpx
 import pytest
+
 from tests.gateway_fixtures import REQUEST_TIMEOUT_S, Gateway, shared_gateway, start_gateway
 
 HELLO = [{"role": "user", "content": "Tell me about the swarm."}]

@@ -13,7 +13,9 @@ pytestmark = pytest.mark.slow
 ATOL = 1e-4
 
 
-@pytest.fixture(scope="module", params=[["0:2", "2:4"], ["0:1", "1:3", "3:4"]], ids=["2-workers", "3-workers"])
+@pytest.fixture(
+    scope="module", params=[["0:2", "2:4"], ["0:1", "1:3", "3:4"]], ids=["2-workers", "3-workers"]
+)
 def dist(request, tiny_llama):
     with swarm(tiny_llama, request.param) as s:
         model = AutoDistributedModelForCausalLM.from_pretrained(tiny_llama, initial_peers=[s.initial_peers])
@@ -123,7 +125,9 @@ def test_backward_through_remote_blocks_matches_local_autograd(dist, local_llama
     embeds = local_llama.get_input_embeddings()(ids).detach()
 
     ours_in = embeds.clone().requires_grad_(True)
-    loss = torch.nn.functional.cross_entropy(dist(inputs_embeds=ours_in).logits.flatten(0, 1), labels.flatten())
+    loss = torch.nn.functional.cross_entropy(
+        dist(inputs_embeds=ours_in).logits.flatten(0, 1), labels.flatten()
+    )
     loss.backward()
 
     ref_in = embeds.clone().requires_grad_(True)
@@ -146,7 +150,9 @@ def test_session_kept_on_servers_resumes_in_a_later_request(dist, local_llama):
     with dist.inference_session(resume_state=state, keep_on_close=True) as second:
         assert second.position == state["position"]
         out = dist.generate(out, max_new_tokens=5, do_sample=False)
-    tokens_after = sum(runtime.run(dist.manager.info(h["peer_id"]))["tokens_processed"] for h in state["hops"])
+    tokens_after = sum(
+        runtime.run(dist.manager.info(h["peer_id"]))["tokens_processed"] for h in state["hops"]
+    )
     # only the last token of turn 1 and the 4 fed tokens of turn 2 were processed (5 per server)
     assert tokens_after - tokens_before == 5 * len(state["hops"])
     assert out.tolist() == local_llama.generate(ids, max_new_tokens=10, do_sample=False).tolist()
@@ -154,8 +160,16 @@ def test_session_kept_on_servers_resumes_in_a_later_request(dist, local_llama):
 
 def test_resuming_an_unknown_session_is_not_found(dist):
     state = {
-        "session_id": "gone", "position": 3, "max_length": 16, "batch_size": 1, "start": 0, "end": 4,
-        "hops": [{"peer_id": w.peer_id, "start": 0, "end": 4, "server_session_id": "nope"} for w in dist.swarm.workers[:1]],
+        "session_id": "gone",
+        "position": 3,
+        "max_length": 16,
+        "batch_size": 1,
+        "start": 0,
+        "end": 4,
+        "hops": [
+            {"peer_id": w.peer_id, "start": 0, "end": 4, "server_session_id": "nope"}
+            for w in dist.swarm.workers[:1]
+        ],
     }
     with pytest.raises(SessionNotFoundError), dist.inference_session(resume_state=state):
         pass

@@ -11,8 +11,8 @@ from swarm_client import (
     InvalidInputError,
     LengthExceededError,
     SessionNotFoundError,
+    runtime,
 )
-from swarm_client import runtime
 from swarm_client.dht_records import ServerState, fetch_block_records
 from swarm_client.routing import RouteHop
 from swarm_client.session import _ServerSession
@@ -94,7 +94,10 @@ def test_too_many_cache_tokens_requested(setup, local_llama):
 
 def test_client_side_length_check_names_the_numbers(setup):
     _, model = setup
-    with model.inference_session(max_length=5) as session, pytest.raises(LengthExceededError, match="max_length 5"):
+    with (
+        model.inference_session(max_length=5) as session,
+        pytest.raises(LengthExceededError, match="max_length 5"),
+    ):
         model(torch.tensor([[1, 2, 3, 4, 5, 6]]), session=session)
 
 

@@ -43,7 +43,13 @@ class StepBatcher:
 
     async def submit(self, item: StepItem) -> torch.Tensor:
         small = item.hidden.shape[0] * item.hidden.shape[1] <= 8  # never block the loop on a long prefill
-        if small and self.single_stream is not None and self.single_stream() and not self._pending and self._idle():
+        if (
+            small
+            and self.single_stream is not None
+            and self.single_stream()
+            and not self._pending
+            and self._idle()
+        ):
             self.batches += 1
             self.batched_items += 1
             self.max_batch_seen = max(self.max_batch_seen, 1)

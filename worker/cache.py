@@ -92,11 +92,18 @@ class CacheManager:
         return self.layout.bytes_per_token(self.dtype) * self.num_layers
 
     def open(
-        self, session_id: str, batch_size: int, max_length: int, owner: str | None = None, num_layers: int | None = None
+        self,
+        session_id: str,
+        batch_size: int,
+        max_length: int,
+        owner: str | None = None,
+        num_layers: int | None = None,
     ) -> SessionCache:
         """Register a new attached session (no memory yet beyond the first small chunk)."""
         if session_id in self.sessions:
-            raise InvalidInputError(f"session {session_id!r} already exists on this server; resume it instead")
+            raise InvalidInputError(
+                f"session {session_id!r} already exists on this server; resume it instead"
+            )
         if batch_size * max_length > self.max_tokens:
             raise CacheExhaustedError(
                 f"batch_size * max_length = {batch_size * max_length} token slots exceeds this server's whole "
@@ -150,7 +157,9 @@ class CacheManager:
         self.expire()
         cache = self.sessions.get(session_id)
         if cache is None:
-            raise SessionNotFoundError(f"session {session_id!r} is not on this server (expired, evicted or never opened)")
+            raise SessionNotFoundError(
+                f"session {session_id!r} is not on this server (expired, evicted or never opened)"
+            )
         if cache.attached:
             raise InvalidInputError(f"session {session_id!r} is in use by another stream")
         self._check_owner(owner)
@@ -186,7 +195,8 @@ class CacheManager:
         if self.tokens_left >= slots:
             return
         detached = sorted(
-            (s for s in self.sessions.values() if not s.attached and s is not exclude), key=lambda s: s.last_used
+            (s for s in self.sessions.values() if not s.attached and s is not exclude),
+            key=lambda s: s.last_used,
         )
         for victim in detached:
             self.free(victim.session_id)
@@ -218,7 +228,11 @@ class CacheManager:
 
     def expire(self) -> int:
         now = time.monotonic()
-        stale = [s.session_id for s in self.sessions.values() if not s.attached and now - s.last_used > self.session_ttl]
+        stale = [
+            s.session_id
+            for s in self.sessions.values()
+            if not s.attached and now - s.last_used > self.session_ttl
+        ]
         for session_id in stale:
             self.free(session_id)
         return len(stale)

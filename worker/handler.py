@@ -12,8 +12,8 @@ import math
 import time
 import uuid
 from collections.abc import Callable, Sequence
-from typing import AsyncIterator  # noqa: UP035 - hivemind detects streams by typing.AsyncIterator only
 from concurrent.futures import ThreadPoolExecutor
+from typing import AsyncIterator  # noqa: UP035 - hivemind detects streams by typing.AsyncIterator only
 
 import torch
 from hivemind.p2p import P2PContext
@@ -22,8 +22,8 @@ from hivemind.utils.streaming import combine_from_streaming
 
 from swarm_client import protocol
 from swarm_client.errors import InvalidInputError, LengthExceededError, RemoteError, error_to_wire
-from worker.cache import CacheManager, SessionCache
 from worker.batcher import StepBatcher
+from worker.cache import CacheManager, SessionCache
 from worker.compute import SpanRunner, StepItem
 from worker.metrics import WorkerMetrics
 
@@ -166,13 +166,19 @@ class BlockHandler(protocol.BlockRPC):
             if not t.dtype.is_floating_point:
                 raise InvalidInputError(f"hidden states must be floating point, got {t.dtype}")
             if t.ndim != 3:
-                raise InvalidInputError(f"hidden states must be [batch, tokens, hidden], got shape {tuple(t.shape)}")
+                raise InvalidInputError(
+                    f"hidden states must be [batch, tokens, hidden], got shape {tuple(t.shape)}"
+                )
             if t.shape[2] != self.hidden_size:
-                raise InvalidInputError(f"hidden size {t.shape[2]} does not match this model's {self.hidden_size}")
+                raise InvalidInputError(
+                    f"hidden size {t.shape[2]} does not match this model's {self.hidden_size}"
+                )
             if t.shape[1] < 1 or t.shape[0] < 1:
                 raise InvalidInputError(f"empty hidden states {tuple(t.shape)}")
             if t.numel() * t.element_size() > self.limits.max_tensor_bytes:
-                raise InvalidInputError(f"tensor of {t.numel() * t.element_size()} bytes exceeds the server's limit")
+                raise InvalidInputError(
+                    f"tensor of {t.numel() * t.element_size()} bytes exceeds the server's limit"
+                )
             if not torch.isfinite(t).all():
                 raise InvalidInputError("hidden states contain NaN or inf")
         return tensors
@@ -182,7 +188,9 @@ class BlockHandler(protocol.BlockRPC):
         start = metadata.get("start_block", self.start)
         end = metadata.get("end_block", self.end)
         if not (isinstance(start, int) and isinstance(end, int) and self.start <= start < end <= self.end):
-            raise InvalidInputError(f"blocks {start!r}:{end!r} are not within this server's span {self.start}:{self.end}")
+            raise InvalidInputError(
+                f"blocks {start!r}:{end!r} are not within this server's span {self.start}:{self.end}"
+            )
         return start, end
 
     def _relative(self, start: int, end: int) -> slice:
@@ -217,7 +225,7 @@ class BlockHandler(protocol.BlockRPC):
             except (RemoteError, ValueError) as e:
                 yield protocol.make_response(error=self._wire_error(e))
                 return
-            except (StopAsyncIteration, asyncio.TimeoutError):
+            except (TimeoutError, StopAsyncIteration):
                 return
             yield protocol.make_response(position=cache.position, session_id=cache.session_id)
 
@@ -227,8 +235,10 @@ class BlockHandler(protocol.BlockRPC):
                         request = await anext(requests)
                 except StopAsyncIteration:
                     break
-                except asyncio.TimeoutError:
-                    logger.info("session %s idle for %.0fs; closing it", cache.session_id, self.limits.idle_timeout)
+                except TimeoutError:
+                    logger.info(
+                        "session %s idle for %.0fs; closing it", cache.session_id, self.limits.idle_timeout
+                    )
                     break
                 try:
                     metadata = self._unpack(request.metadata)
@@ -237,12 +247,18 @@ class BlockHandler(protocol.BlockRPC):
                         break
                     tensors = self._deserialize(request.tensors, max_count=1)
                     out, position = await self._step(cache, tensors, metadata)
-                    yield protocol.make_response([out], compression=metadata.get("compression_out", metadata.get("compression", "none")), position=position)
+                    yield protocol.make_response(
+                        [out],
+                        compression=metadata.get("compression_out", metadata.get("compression", "none")),
+                        position=position,
+                    )
                 except (RemoteError, ValueError) as e:
                     yield protocol.make_response(error=self._wire_error(e))
                 except Exception as e:  # never let one session take the server down
                     logger.exception("inference step failed")
-                    yield protocol.make_response(error={"code": "remote_error", "message": f"internal error: {e!r}"})
+                    yield protocol.make_response(
+                        error={"code": "remote_error", "message": f"internal error: {e!r}"}
+                    )
         finally:
             self.active_streams -= 1
             if cache is not None:
@@ -260,20 +276,28 @@ class BlockHandler(protocol.BlockRPC):
         start, end = self._blocks(spec)
         batch_size, max_length = spec.get("batch_size", 1), spec.get("max_length")
         if not isinstance(batch_size, int) or not 1 <= batch_size <= self.limits.max_batch_size:
-            raise InvalidInputError(f"batch_size must be an int in [1, {self.limits.max_batch_size}], got {batch_size!r}")
+            raise InvalidInputError(
+                f"batch_size must be an int in [1, {self.limits.max_batch_size}], got {batch_size!r}"
+            )
         if not isinstance(max_length, int) or max_length < 1:
             raise InvalidInputError(f"max_length must be a positive int, got {max_length!r}")
         cache = self.caches.open(session_id, batch_size, max_length, owner=owner, num_layers=end - start)
         cache.blocks = self._relative(start, end)
         return cache
 
-    async def _step(self, cache: SessionCache, tensors: list[torch.Tensor], metadata: dict) -> tuple[torch.Tensor, int]:
+    async def _step(
+        self, cache: SessionCache, tensors: list[torch.Tensor], metadata: dict
+    ) -> tuple[torch.Tensor, int]:
         (hidden,) = self._check_hidden(tensors)
         if hidden.shape[0] != cache.batch_size:
-            raise InvalidInputError(f"batch size {hidden.shape[0]} does not match the session's {cache.batch_size}")
+            raise InvalidInputError(
+                f"batch size {hidden.shape[0]} does not match the session's {cache.batch_size}"
+            )
         position = metadata.get("position", cache.position)
         if not isinstance(position, int) or not 0 <= position <= cache.position:
-            raise InvalidInputError(f"position {position!r} must be an int in [0, {cache.position}] (cached tokens)")
+            raise InvalidInputError(
+                f"position {position!r} must be an int in [0, {cache.position}] (cached tokens)"
+            )
         length = hidden.shape[1]
         if position + length > cache.max_length:
             raise LengthExceededError(

@@ -181,7 +181,7 @@ class HandlerSwitch(protocol.BlockRPC):
         """Peek at the first request, check its blocks against the current span, hand the whole stream on."""
         try:
             first = await asyncio.wait_for(anext(requests), self.current.limits.idle_timeout)
-        except (StopAsyncIteration, asyncio.TimeoutError):
+        except (TimeoutError, StopAsyncIteration):
             return
         handler = self.current  # one handler for the whole stream, even if a switch happens meanwhile
         try:

@@ -12,7 +12,12 @@ from worker.compute import SpanRunner
 
 
 def measure_throughput(
-    runner: SpanRunner, hidden_size: int, layout: CacheLayout, dtype: torch.dtype, device: torch.device, steps: int = 8
+    runner: SpanRunner,
+    hidden_size: int,
+    layout: CacheLayout,
+    dtype: torch.dtype,
+    device: torch.device,
+    steps: int = 8,
 ) -> float:
     """Decode-step tokens/s per block: time single-token steps through the span with a scratch cache."""
     caches = CacheManager(steps + 2, len(runner.blocks), layout, dtype, device)

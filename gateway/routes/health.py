@@ -64,7 +64,7 @@ async def swarm(backend: BackendDep, settings: SettingsDep) -> JSONResponse:
     """The swarm state; 503 in the error envelope when the DHT cannot be read (a bug stays a 500)."""
     try:
         state = await asyncio.to_thread(backend.swarm_state)
-    except (SwarmError, OSError, TimeoutError, asyncio.TimeoutError) as exc:
+    except (SwarmError, OSError, TimeoutError) as exc:
         raise ServiceUnavailableError(
             f"Cannot read the swarm's DHT right now: {type(exc).__name__}: {exc}",
             code="swarm_unavailable",

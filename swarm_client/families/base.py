@@ -58,7 +58,9 @@ class Family(Protocol):
 
     def cache_layout(self, config: PretrainedConfig) -> CacheLayout: ...
 
-    def build_block(self, config: PretrainedConfig, index: int, tensors: dict[str, torch.Tensor]) -> nn.Module:
+    def build_block(
+        self, config: PretrainedConfig, index: int, tensors: dict[str, torch.Tensor]
+    ) -> nn.Module:
         """A block from ``tensors`` whose names are relative to ``layer_prefix(index)``."""
 
     def build_head(self, config: PretrainedConfig, tensors: dict[str, torch.Tensor]) -> Head:
@@ -100,6 +102,8 @@ def load_module(module: nn.Module, tensors: dict[str, torch.Tensor], what: str) 
     missing = sorted(expected - tensors.keys())
     unexpected = sorted(tensors.keys() - expected)
     if missing or unexpected:
-        raise ValueError(f"{what}: checkpoint tensors do not match (missing {missing[:5]}, unexpected {unexpected[:5]})")
+        raise ValueError(
+            f"{what}: checkpoint tensors do not match (missing {missing[:5]}, unexpected {unexpected[:5]})"
+        )
     module.load_state_dict(tensors, strict=True, assign=True)
     return module

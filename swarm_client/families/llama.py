@@ -112,7 +112,9 @@ def headless_model(config: PretrainedConfig, tensors: dict[str, torch.Tensor]) -
     if lm_key in state_keys and lm_key not in tensors:
         if not tied:
             raise ValueError("checkpoint has no lm_head.weight and tie_word_embeddings is False")
-        embed_key = next(k for k in tensors if k.endswith("embed_tokens.weight") or k.endswith("word_embeddings.weight"))
+        embed_key = next(
+            k for k in tensors if k.endswith("embed_tokens.weight") or k.endswith("word_embeddings.weight")
+        )
         tensors[lm_key] = tensors[embed_key]
     load_module(model, {k: v for k, v in tensors.items() if k in state_keys}, "model head")
     model.eval()
@@ -153,11 +155,15 @@ class LlamaFamily:
     def _decoder_layer_class(self, config: PretrainedConfig) -> type[nn.Module]:
         import importlib
 
-        module = importlib.import_module(f"transformers.models.{config.model_type}.modeling_{config.model_type}")
+        module = importlib.import_module(
+            f"transformers.models.{config.model_type}.modeling_{config.model_type}"
+        )
         prefix = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2"}[config.model_type]
         return getattr(module, f"{prefix}DecoderLayer"), getattr(module, f"{prefix}RotaryEmbedding")
 
-    def build_block(self, config: PretrainedConfig, index: int, tensors: dict[str, torch.Tensor]) -> nn.Module:
+    def build_block(
+        self, config: PretrainedConfig, index: int, tensors: dict[str, torch.Tensor]
+    ) -> nn.Module:
         layer_cls, rotary_cls = self._decoder_layer_class(config)
         with torch.device("meta"):
             layer = layer_cls(config, layer_idx=index)
