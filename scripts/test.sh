@@ -15,4 +15,11 @@ fi
 trap '[ -n "$redis_pid" ] && kill "$redis_pid" 2>/dev/null || true' EXIT
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 ruff check .
-python -m pytest "$@"
+if [ "$#" -gt 0 ]; then
+  exec python -m pytest "$@"
+fi
+# The schemathesis fuzz run goes in its own interpreter: after the rest of the suite, CPython 3.11.7 fails
+# compiling schemathesis's generated code with "AST constructor recursion depth mismatch" (a CPython bug
+# fixed in later 3.11 releases); alone it passes.
+python -m pytest --ignore=tests/test_gateway_schemathesis.py
+python -m pytest tests/test_gateway_schemathesis.py

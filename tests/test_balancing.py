@@ -8,9 +8,7 @@ The integration test uses ``--num-blocks 4``: three servers of 3 blocks (9 slots
 from __future__ import annotations
 
 import asyncio
-import os
 import random
-import signal
 import subprocess
 import sys
 import time
@@ -36,9 +34,7 @@ from worker.rebalance import (
 NUM_BLOCKS = 8
 
 
-def info(
-    start: int, end: int, state: ServerState = ServerState.ONLINE, throughput: float = 10.0
-) -> ServerInfo:
+def info(start: int, end: int, state: ServerState = ServerState.ONLINE, throughput: float = 10.0) -> ServerInfo:
     return ServerInfo(state=state, start_block=start, end_block=end, throughput=throughput)
 
 
@@ -88,9 +84,7 @@ def test_plan_move_respects_balance_quality():
 
 def test_a_move_in_progress_keeps_the_others_home():
     # A loads 4:8 (JOINING above its old span) while still serving 0:4: C must not run to the same gap
-    during = records(
-        ("A", 0, 4, info(0, 4)), ("C", 0, 4, info(0, 4)), ("A", 4, 8, info(4, 8, ServerState.JOINING))
-    )
+    during = records(("A", 0, 4, info(0, 4)), ("C", 0, 4, info(0, 4)), ("A", 4, 8, info(4, 8, ServerState.JOINING)))
     view = balancing_view(during)
     assert (view["A"].start, view["A"].end) == (0, 4)
     assert (view[f"A{PENDING}"].start, view[f"A{PENDING}"].end) == (4, 8)
@@ -102,9 +96,7 @@ def test_a_move_in_progress_keeps_the_others_home():
 # --- the records of a move, read back the way clients read them ------------------------------------
 
 
-@pytest.mark.parametrize(
-    ("old", "new"), [((0, 4), (4, 8)), ((4, 8), (0, 4)), ((0, 4), (2, 6)), ((3, 7), (1, 5))]
-)
+@pytest.mark.parametrize(("old", "new"), [((0, 4), (4, 8)), ((4, 8), (0, 4)), ((0, 4), (2, 6)), ((3, 7), (1, 5))])
 def test_records_during_and_after_a_move_never_hide_a_served_span(old, new):
     joining = joining_range(old, new)
     during = [("B", 0, 8, info(0, 8)), ("A", *old, info(*old))]
@@ -114,15 +106,11 @@ def test_records_during_and_after_a_move_never_hide_a_served_span(old, new):
     assert (seen.start, seen.end, seen.state) == (*old, ServerState.ONLINE)  # the old span is still served
 
     online = info(*new)
-    after = [*during, ("A", *new, online)] + [
-        ("A", lo, hi, tombstone(online)) for lo, hi in retired_ranges(old, new)
-    ]
+    after = [*during, ("A", *new, online)] + [("A", lo, hi, tombstone(online)) for lo, hi in retired_ranges(old, new)]
     seen = spans_from_records(records(*after))["A"]
     assert (seen.start, seen.end, seen.state) == (*new, ServerState.ONLINE)
     assert all(
-        r["A"].state == ServerState.OFFLINE
-        for lo, hi in retired_ranges(old, new)
-        for r in records(*after)[lo:hi]
+        r["A"].state == ServerState.OFFLINE for lo, hi in retired_ranges(old, new) for r in records(*after)[lo:hi]
     )
 
 
@@ -199,9 +187,7 @@ def test_handler_switch_routes_by_span_and_rejects_stale_routes():
 def eight_blocks(tmp_path_factory) -> str:
     from swarm_client.tiny_model import make_tiny_model
 
-    return str(
-        make_tiny_model(tmp_path_factory.mktemp("models") / "tiny-llama-8", family="llama", num_layers=8)
-    )
+    return str(make_tiny_model(tmp_path_factory.mktemp("models") / "tiny-llama-8", family="llama", num_layers=8))
 
 
 @pytest.fixture(scope="module")
@@ -225,13 +211,6 @@ def dht_reader(eight_blocks: str) -> Iterator:
     finally:
         dht.shutdown()
         s.close()
-
-
-def crash(proc) -> None:
-    """SIGKILL the worker's whole process group: its main process, hivemind's DHT process and p2pd, as a
-    machine failure would. (Killing only the main process leaves the other two running as orphans.)"""
-    os.killpg(proc.popen.pid, signal.SIGKILL)  # spawned with start_new_session: pgid == pid
-    proc.popen.wait(10)
 
 
 def _status(s, model: str) -> subprocess.CompletedProcess:
@@ -260,7 +239,7 @@ def test_num_blocks_workers_cover_the_model_and_recover_from_a_kill(dht_reader, 
 
     victim = next(w for w in workers if spans[w.peer_id].start == 4)
     survivors = [w for w in workers if w is not victim]
-    crash(victim)
+    victim.kill()  # the whole process group: worker, DHT process, p2pd
     t0 = time.monotonic()
 
     # the victim's records live until they expire (15 s here), then a survivor moves into the gap
