@@ -76,7 +76,7 @@ def _add_worker(sub: argparse._SubParsersAction) -> None:
         "--fault",
         default=None,
         metavar="KIND[:AFTER]",
-        help="testing only: misbehave after AFTER inference steps (KIND: nan, hang, wrong-shape)",
+        help="testing only: misbehave after AFTER inference steps (KIND: nan, hang, wrong-shape, noise)",
     )
     p.set_defaults(func=_cmd_worker)
 

@@ -44,6 +44,10 @@ class ClientConfig:
     ping_timeout: float = 3.0
     #: a step silent for this long triggers a liveness ping of its server (see _ServerSession)
     probe_after: float = 1.0
+    #: fraction of inference steps re-run on a second server to catch servers returning wrong activations
+    spot_check_rate: float = 0.0
+    #: relative L2 difference above which a spot-checked server is considered wrong (bfloat16 servers ≈ 1e-2)
+    spot_check_tolerance: float = 5e-2
     compression: str = "none"
     ban_base: float = 1.0
     ban_max: float = 60.0

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import random
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -30,7 +31,7 @@ from swarm_client.errors import (
     SwarmError,
     error_from_wire,
 )
-from swarm_client.routing import RouteHop
+from swarm_client.routing import RouteHop, find_route
 from swarm_client.sequence_manager import SequenceManager
 
 logger = logging.getLogger(__name__)
@@ -89,9 +90,7 @@ class _ServerSession:
                 try:
                     await self.manager.info(self.hop.peer_id, timeout=min(config.ping_timeout, remaining))
                 except PeerError as e:
-                    raise PeerError(
-                        f"server {self.hop.peer_id} stopped answering: {e}", self.hop.peer_id
-                    ) from e
+                    raise PeerError(f"server {self.hop.peer_id} stopped answering: {e}", self.hop.peer_id) from e
                 wait = min(config.probe_after, max(deadline - time.monotonic(), 0.001))
 
     async def _exchange(self, request, timeout: float) -> tuple[list[torch.Tensor], dict]:
@@ -102,9 +101,7 @@ class _ServerSession:
         if isinstance(response, SwarmError):
             raise response
         if isinstance(response, Exception):
-            raise PeerError(
-                f"server {self.hop.peer_id} stream failed: {response}", self.hop.peer_id
-            ) from response
+            raise PeerError(f"server {self.hop.peer_id} stream failed: {response}", self.hop.peer_id) from response
         metadata = protocol.unpack_metadata(response.metadata)
         if "error" in metadata:
             raise error_from_wire(metadata["error"], peer_id=self.hop.peer_id)
@@ -140,14 +137,10 @@ class _ServerSession:
             compression_out=self.manager.config.compression,
         )
         tensors, metadata = await self._exchange(request, timeout)
-        expected = (
-            (self.hop.end - self.hop.start, *hidden.shape) if output_hidden_states else tuple(hidden.shape)
-        )
+        expected = (self.hop.end - self.hop.start, *hidden.shape) if output_hidden_states else tuple(hidden.shape)
         if len(tensors) != 1 or tuple(tensors[0].shape) != expected:
             got = [tuple(t.shape) for t in tensors]
-            raise PeerError(
-                f"server {self.hop.peer_id} returned shapes {got}, expected {expected}", self.hop.peer_id
-            )
+            raise PeerError(f"server {self.hop.peer_id} returned shapes {got}, expected {expected}", self.hop.peer_id)
         out = tensors[0]
         if not torch.isfinite(out).all():
             raise PeerError(f"server {self.hop.peer_id} returned non-finite activations", self.hop.peer_id)
@@ -245,6 +238,8 @@ class InferenceSession:
         self._history: list[HistoryBuffer] = []  # per hop: the inputs sent so far
         self._sub_ids = 0
         self.failovers = 0
+        self.spot_checks = 0
+        self.spot_check_failures = 0
         #: optional token ids fed so far, maintained by the model (not by the session)
         self.token_ids: list[int] = []
 
@@ -284,9 +279,7 @@ class InferenceSession:
         if self.closed:
             return
         self.closed = True
-        await asyncio.gather(
-            *(hop.close(keep=self.keep_on_close) for hop in self._hops), return_exceptions=True
-        )
+        await asyncio.gather(*(hop.close(keep=self.keep_on_close) for hop in self._hops), return_exceptions=True)
 
     async def astep(
         self, hidden: torch.Tensor, position: int | None = None, output_hidden_states: bool = False
@@ -345,9 +338,7 @@ class InferenceSession:
         deadline = time.monotonic() + self.manager.config.failover_deadline
         while True:
             try:
-                hops = await self.manager.make_route(
-                    start, end, cache_tokens_needed=self.max_length * self.batch_size
-                )
+                hops = await self.manager.make_route(start, end, cache_tokens_needed=self.max_length * self.batch_size)
                 sessions = await self._open_hops(hops)
                 break
             except CALLER_ERRORS:
@@ -364,9 +355,7 @@ class InferenceSession:
         self._hops[index:index] = sessions
         self._history[index:index] = [HistoryBuffer() for _ in sessions]
 
-    async def _step_chain(
-        self, hidden: torch.Tensor, position: int, output_hidden_states: bool
-    ) -> torch.Tensor:
+    async def _step_chain(self, hidden: torch.Tensor, position: int, output_hidden_states: bool) -> torch.Tensor:
         deadline = time.monotonic() + self.manager.config.failover_deadline
         x = hidden
         states: list[torch.Tensor] = []
@@ -375,13 +364,12 @@ class InferenceSession:
             hop = self._hops[index]
             try:
                 out = await hop.step(x, position, self.manager.config.step_timeout, output_hidden_states)
+                if not output_hidden_states:
+                    await self._spot_check(index, hop.hop, x, out, position)
             except CALLER_ERRORS:
                 raise
             except (PeerError, RemoteError) as e:
-                if (
-                    isinstance(e, SessionNotFoundError | CacheExhaustedError | PeerError)
-                    or type(e) is RemoteError
-                ):
+                if isinstance(e, SessionNotFoundError | CacheExhaustedError | PeerError) or type(e) is RemoteError:
                     await self._replace_hop(index, position, e, deadline)
                     continue  # retry this index with the replacement hop(s)
                 raise
@@ -394,6 +382,51 @@ class InferenceSession:
                 x = out
             index += 1
         return torch.cat(states, 0) if output_hidden_states else x
+
+    async def _spot_check(self, index: int, hop: RouteHop, x: torch.Tensor, out: torch.Tensor, position: int) -> None:
+        """With probability ``spot_check_rate``, recompute this step on another server holding the same
+        blocks (a stateless forward over the hop's whole input history) and treat a disagreement as a fault
+        of the checked server: it is banned and its span re-routed, as for NaN or a wrong shape."""
+        from swarm_client.remote_sequential import _call_stream  # local import: that module imports this one
+
+        rate = self.manager.config.spot_check_rate
+        if rate <= 0 or random.random() >= rate or self._history[index].unknown:
+            return
+        prefix = self._history[index].read(position)
+        full = x if prefix is None else torch.cat([prefix, x], 1)
+        try:
+            checkers = find_route(
+                self.manager.spans,
+                hop.start,
+                hop.end,
+                rtt=self.manager.rtt,
+                banned=self.manager.bans.banned() | {hop.peer_id},
+            )
+        except NoRouteError:
+            return  # nobody else holds these blocks: nothing to compare with
+        reference = full
+        try:
+            for checker in checkers:
+                (reference,) = await _call_stream(
+                    self.manager,
+                    checker.peer_id,
+                    "rpc_forward",
+                    [reference],
+                    start_block=checker.start,
+                    end_block=checker.end,
+                )
+        except (PeerError, RemoteError):
+            return  # the checker failed; the step itself is not suspect
+        reference = reference[:, -x.shape[1] :].to(out.dtype)
+        self.spot_checks += 1
+        difference = float((out - reference).norm() / reference.norm().clamp_min(1e-6))
+        if difference > self.manager.config.spot_check_tolerance:
+            self.spot_check_failures += 1
+            raise PeerError(
+                f"spot check: server {hop.peer_id} disagrees with {[c.peer_id for c in checkers]} on blocks "
+                f"{hop.start}:{hop.end} (relative difference {difference:.3g})",
+                hop.peer_id,
+            )
 
     async def _replace_hop(self, index: int, position: int, error: Exception, deadline: float) -> None:
         """Ban the failed server, route its span anew, replay the span's history into the replacement."""
@@ -473,9 +506,7 @@ class InferenceSession:
         }
 
     @classmethod
-    async def aresume(
-        cls, manager: SequenceManager, state: dict, keep_on_close: bool = True
-    ) -> InferenceSession:
+    async def aresume(cls, manager: SequenceManager, state: dict, keep_on_close: bool = True) -> InferenceSession:
         """Re-attach to the caches a previous session left on its servers (``keep_on_close=True``).
 
         Raises ``SessionNotFoundError`` if any server no longer holds the expected prefix; the caller then
@@ -504,9 +535,7 @@ class InferenceSession:
                     timeout=manager.config.connect_timeout,
                 )
                 if held < position:
-                    raise SessionNotFoundError(
-                        f"server {hop.hop.peer_id} holds {held} tokens, expected {position}"
-                    )
+                    raise SessionNotFoundError(f"server {hop.hop.peer_id} holds {held} tokens, expected {position}")
         except BaseException:
             await asyncio.gather(*(h.close(keep=True) for h in hops), return_exceptions=True)
             raise

@@ -18,9 +18,7 @@ NEW_TOKENS = 40
 
 @pytest.fixture(scope="module")
 def reference(local_llama):
-    return local_llama.generate(PROMPT, max_new_tokens=NEW_TOKENS, do_sample=False)[
-        0, PROMPT.shape[1] :
-    ].tolist()
+    return local_llama.generate(PROMPT, max_new_tokens=NEW_TOKENS, do_sample=False)[0, PROMPT.shape[1] :].tolist()
 
 
 def greedy_with_hook(model, hook, max_length=64) -> tuple[list[int], object]:
@@ -134,6 +132,25 @@ def test_misbehaving_server_is_detected_and_routed_around(faulty_swarm, tiny_lla
         tokens, session = greedy_with_hook(model, lambda step, session: None)
         assert tokens == reference
         assert session.failovers == 1
+        assert bad.peer_id not in {h.peer_id for h in session.route}
+        assert model.manager.bans.is_banned(bad.peer_id)
+    finally:
+        model.shutdown()
+        bad.kill()
+
+
+def test_spot_check_catches_a_server_returning_wrong_activations(faulty_swarm, tiny_llama, reference):
+    s = faulty_swarm
+    bad = s.add_worker("--fault", "noise:3", "--throughput", "1e9", blocks="0:2")
+    model = AutoDistributedModelForCausalLM.from_pretrained(
+        tiny_llama, initial_peers=[s.initial_peers], spot_check_rate=1.0, failover_deadline=30
+    )
+    try:
+        runtime.run(model.manager.update(force=True))
+        model.manager.rtt[bad.peer_id] = 0.0
+        tokens, session = greedy_with_hook(model, lambda step, session: None)
+        assert tokens == reference  # the noisy server was caught before its output reached the LM head
+        assert session.spot_check_failures == 1 and session.spot_checks > 3
         assert bad.peer_id not in {h.peer_id for h in session.route}
         assert model.manager.bans.is_banned(bad.peer_id)
     finally:

@@ -326,6 +326,8 @@ class BlockHandler(protocol.BlockRPC):
             return torch.full_like(out, float("nan"))
         if self.fault == "wrong-shape":
             return out[..., :-1]
+        if self.fault == "noise":  # finite, right shape, wrong values: only a spot check can tell
+            return out + 0.5 * out.std() * torch.randn_like(out)
         if self.fault == "hang":
             await asyncio.Event().wait()
         return out
