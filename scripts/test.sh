@@ -14,6 +14,10 @@ if [ -z "${REDIS_URL:-}" ] && command -v redis-server >/dev/null 2>&1; then
 fi
 trap '[ -n "$redis_pid" ] && kill "$redis_pid" 2>/dev/null || true' EXIT
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+# Debian's chromium renders the /swarm page in tests/test_swarm_page.py; without it those tests skip.
+command -v chromium >/dev/null 2>&1 || { [ "$(id -u)" = 0 ] && apt-get update -qq \
+  && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; } \
+  || echo "chromium missing: the /swarm browser tests will be skipped"
 ruff check .
 if [ "$#" -gt 0 ]; then
   python -m pytest "$@"
