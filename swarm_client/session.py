@@ -89,7 +89,9 @@ class _ServerSession:
                     ) from None
                 try:
                     await self.manager.info(self.hop.peer_id, timeout=min(config.ping_timeout, remaining))
-                except PeerError as e:
+                except PeerTimeout:
+                    pass  # a slow ping proves nothing (a busy server); keep waiting until the step timeout
+                except PeerError as e:  # refused: the server process is gone even if its connection lingers
                     raise PeerError(f"server {self.hop.peer_id} stopped answering: {e}", self.hop.peer_id) from e
                 wait = min(config.probe_after, max(deadline - time.monotonic(), 0.001))
 
