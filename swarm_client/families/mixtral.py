@@ -16,12 +16,11 @@ import copy
 import importlib
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from transformers import PretrainedConfig
 
-from swarm_client.families.base import KV, load_module, window_mask, write_kv
-from swarm_client.families.llama import LlamaBlock, LlamaFamily, rotate_half
+from swarm_client.families.base import load_module
+from swarm_client.families.llama import LlamaBlock, LlamaFamily
 
 #: experts kernel 🤗 picks by default in transformers 5.x (it falls back to a plain loop where unsupported)
 EXPERTS_IMPLEMENTATION = "grouped_mm"
@@ -56,31 +55,11 @@ def fuse_expert_tensors(tensors: dict[str, torch.Tensor], num_experts: int) -> d
 
 
 class MixtralBlock(LlamaBlock):
-    """``LlamaBlock`` whose layer's ``mlp`` is 🤗's sparse MoE, plus an optional sliding attention window."""
+    """``LlamaBlock`` whose layer's ``mlp`` is 🤗's sparse MoE; attention (incl. the optional sliding window)
+    is the llama block's own. A distinct type so cross-session batching stays off for MoE blocks."""
 
     def __init__(self, layer: nn.Module, rotary: nn.Module, sliding_window: int | None):
-        super().__init__(layer, rotary)
-        self.sliding_window = sliding_window
-
-    def forward(self, hidden: torch.Tensor, position: int = 0, kv: KV | None = None) -> torch.Tensor:
-        batch, length, _ = hidden.shape
-        attn = self.layer.self_attn
-        x = self.layer.input_layernorm(hidden)
-        # [B, T, heads * D] → [B, heads, T, D]
-        q = attn.q_proj(x).view(batch, length, -1, self.head_dim).transpose(1, 2)
-        k = attn.k_proj(x).view(batch, length, -1, self.head_dim).transpose(1, 2)
-        v = attn.v_proj(x).view(batch, length, -1, self.head_dim).transpose(1, 2)
-        cos, sin = self.rotary(x, position, length)
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
-        if kv is not None:
-            k, v = write_kv(kv, position, k, v)  # k/v: [B, Hkv, position + T, D]
-        mask = window_mask(position, length, k.shape[2], self.sliding_window, q.device)
-        out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, scale=self.scaling, enable_gqa=q.shape[1] != k.shape[1]
-        )
-        hidden = hidden + attn.o_proj(out.transpose(1, 2).reshape(batch, length, -1))
-        return hidden + self.layer.mlp(self.layer.post_attention_layernorm(hidden))
+        super().__init__(layer, rotary, sliding_window)
 
 
 class MixtralFamily(LlamaFamily):
