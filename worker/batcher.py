@@ -1,8 +1,10 @@
-"""Groups inference steps that arrive while the compute thread is busy into one batch.
+"""Groups inference steps from different sessions into batches (continuous batching).
 
-No timer: a lone session's step runs at once. Steps that arrive while a batch is computing wait for it
-to finish and then run together (continuous batching), so latency never grows for a single user and
-throughput grows with concurrency.
+A lone session's step runs at once. Steps that arrive while a batch is computing wait for it to finish
+and then run together. Before a batch starts, it may also wait a little for sessions whose next step is
+predicted to arrive within a wait that the batching saves (worker/batch_policy.py), so streams that
+come back a few milliseconds apart do not split into many small batches. A single user never waits:
+with one open stream nobody is expected.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from concurrent.futures import Executor
 
 import torch
 
+from worker.batch_policy import ArrivalPredictor, BatchCosts, plan_wait
 from worker.compute import SpanRunner, StepItem
 
 
@@ -26,6 +29,7 @@ class StepBatcher:
         executor: Executor,
         max_batch: int = 64,
         single_stream: Callable[[], bool] | None = None,
+        max_wait: float = 0.25,
     ):
         self.runner = runner
         #: when only one stream is open nobody can join a batch: compute on the event loop and skip the
@@ -33,6 +37,13 @@ class StepBatcher:
         self.single_stream = single_stream
         self.executor = executor
         self.max_batch = max_batch
+        #: upper bound on how long a batch may wait for predicted arrivals (0: never wait)
+        self.max_wait = max_wait
+        self.costs = BatchCosts()
+        self.arrivals = ArrivalPredictor()
+        self._arrived = asyncio.Event()
+        self.waits = 0
+        self.waited_seconds = 0.0
         self._pending: list[tuple[StepItem, asyncio.Future]] = []
         self._worker: asyncio.Task | None = None
         self.batches = 0
@@ -42,6 +53,8 @@ class StepBatcher:
         self.compute_seconds: deque[float] = deque(maxlen=512)
 
     async def submit(self, item: StepItem) -> torch.Tensor:
+        if self.runner.can_batch(item):
+            self.arrivals.arrived(item.cache.session_id, item.hidden.shape[0])
         small = item.hidden.shape[0] * item.hidden.shape[1] <= 8  # never block the loop on a long prefill
         if (
             small
@@ -56,19 +69,26 @@ class StepBatcher:
             return self._timed_batch([item])[0]
         future = asyncio.get_running_loop().create_future()
         self._pending.append((item, future))
+        self._arrived.set()
         if self._worker is None or self._worker.done():
             self._worker = asyncio.create_task(self._drain())
         return await future
+
+    def forget(self, session_id: str) -> None:
+        """The session's stream ended: stop expecting its steps."""
+        self.arrivals.forget(session_id)
 
     def _idle(self) -> bool:
         return self._worker is None or self._worker.done()
 
     def _timed_batch(self, items: list[StepItem]) -> list[torch.Tensor]:
         t0 = time.perf_counter()
-        try:
-            return self.runner.inference_batch(items)
-        finally:
-            self.compute_seconds.append(time.perf_counter() - t0)
+        result = self.runner.inference_batch(items)
+        seconds = time.perf_counter() - t0
+        self.compute_seconds.append(seconds)
+        if all(self.runner.can_batch(i) for i in items):
+            self.costs.observe(sum(i.hidden.shape[0] for i in items), seconds)
+        return result
 
     def stats(self) -> dict:
         recent = list(self.compute_seconds)
@@ -77,11 +97,42 @@ class StepBatcher:
             "batched_steps": self.batched_items,
             "max_batch_seen": self.max_batch_seen,
             "compute_ms_median": 1000 * statistics.median(recent) if recent else None,
+            "batch_waits": self.waits,
+            "batch_wait_seconds": round(self.waited_seconds, 3),
         }
+
+    async def _gather(self) -> None:
+        """Hold the pending steps while waiting for the sessions due soon pays for itself."""
+        if self.max_wait <= 0:
+            return
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        while len(self._pending) < self.max_batch:
+            now = time.monotonic()
+            batchable = [item for item, _ in self._pending if self.runner.can_batch(item)]
+            if not batchable:
+                return
+            pending_ids = {item.cache.session_id for item, _ in self._pending}
+            expected = self.arrivals.expected(pending_ids, now)
+            budget = self.max_wait - (loop.time() - start)
+            wait = plan_wait(self.costs, expected, sum(i.hidden.shape[0] for i in batchable), now, budget)
+            if wait <= 0:
+                return
+            self._arrived.clear()
+            t0 = loop.time()
+            try:
+                async with asyncio.timeout(wait):
+                    await self._arrived.wait()
+            except TimeoutError:
+                return
+            finally:
+                self.waits += 1
+                self.waited_seconds += loop.time() - t0
 
     async def _drain(self) -> None:
         loop = asyncio.get_running_loop()
         while self._pending:
+            await self._gather()
             batch, self._pending = self._pending[: self.max_batch], self._pending[self.max_batch :]
             batch = [(item, fut) for item, fut in batch if not fut.cancelled()]
             if not batch:
