@@ -11,6 +11,12 @@ Inference stream (``rpc_inference``), one bidirectional stream per server span:
                                                                 position rolls the cache back first)
     server → tensors [hidden [B, T, H]], {"position": p + T}
     any server message may instead be {"error": {"code", "message"}} — see ``swarm_client.errors``.
+    Optional server-to-server push: a step may carry {"step_id": s, "push_chain": [{"peer_id",
+    "session_id"}, ...]} (the next hops); the server then also sends its output to the first of them
+    (``rpc_push``: one long-lived stream per target session, a message per step: tensors [out],
+    {"session_id", "step_id", "position", "push_chain": rest}), which runs it at once. The client still
+    sends every hop its own copy; a server answers each step_id once,
+    echoing it in the response, so a client skips answers whose step_id is not the one it waits for.
 Forward / backward (``rpc_forward`` / ``rpc_backward``) are stream → stream so large tensors are chunked.
 """
 
@@ -135,6 +141,12 @@ class BlockRPC(ServicerBase):
         raise NotImplementedError
 
     async def rpc_inference(
+        self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
+    ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
+        raise NotImplementedError
+        yield  # pragma: no cover
+
+    async def rpc_push(
         self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
     ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
         raise NotImplementedError

@@ -49,6 +49,9 @@ class ClientConfig:
     #: relative L2 difference above which a spot-checked server is considered wrong (bfloat16 servers ≈ 1e-2)
     spot_check_tolerance: float = 5e-2
     compression: str = "none"
+    #: server-to-server push: each server also sends its output straight to the next server of the chain,
+    #: which starts computing before the client's own copy arrives (that copy still goes, as a fallback)
+    push: bool = False
     ban_base: float = 1.0
     ban_max: float = 60.0
     extra: dict = field(default_factory=dict)

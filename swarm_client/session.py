@@ -38,6 +38,8 @@ logger = logging.getLogger(__name__)
 
 #: errors that are the caller's fault: never retried on another server
 CALLER_ERRORS = (InvalidInputError, LengthExceededError)
+#: steps larger than this are not pushed server to server (a push is one unary message; prefills are rare)
+PUSH_MAX_BYTES = 2**18
 
 
 class _ServerSession:
@@ -95,16 +97,27 @@ class _ServerSession:
                     raise PeerError(f"server {self.hop.peer_id} stopped answering: {e}", self.hop.peer_id) from e
                 wait = min(config.probe_after, max(deadline - time.monotonic(), 0.001))
 
-    async def _exchange(self, request, timeout: float) -> tuple[list[torch.Tensor], dict]:
+    async def _exchange(
+        self, request, timeout: float, step_id: str | None = None
+    ) -> tuple[list[torch.Tensor], dict]:
+        """Send ``request`` and return its answer. With ``step_id``, answers to other steps (a pushed copy
+        of a step the client later redid elsewhere) are skipped."""
         self._queue.put_nowait(request)
-        response = await self._next_response(timeout)
-        if isinstance(response, StopAsyncIteration):
-            raise PeerError(f"server {self.hop.peer_id} closed the stream", self.hop.peer_id)
-        if isinstance(response, SwarmError):
-            raise response
-        if isinstance(response, Exception):
-            raise PeerError(f"server {self.hop.peer_id} stream failed: {response}", self.hop.peer_id) from response
-        metadata = protocol.unpack_metadata(response.metadata)
+        deadline = time.monotonic() + timeout
+        while True:
+            response = await self._next_response(max(deadline - time.monotonic(), 0.001))
+            if isinstance(response, StopAsyncIteration):
+                raise PeerError(f"server {self.hop.peer_id} closed the stream", self.hop.peer_id)
+            if isinstance(response, SwarmError):
+                raise response
+            if isinstance(response, Exception):
+                raise PeerError(
+                    f"server {self.hop.peer_id} stream failed: {response}", self.hop.peer_id
+                ) from response
+            metadata = protocol.unpack_metadata(response.metadata)
+            answered = metadata.get("step_id")
+            if step_id is None or answered is None or answered == step_id:
+                break
         if "error" in metadata:
             raise error_from_wire(metadata["error"], peer_id=self.hop.peer_id)
         return [protocol.deserialize(t) for t in response.tensors], metadata
@@ -129,16 +142,26 @@ class _ServerSession:
         return self.position
 
     async def step(
-        self, hidden: torch.Tensor, position: int, timeout: float, output_hidden_states: bool = False
+        self,
+        hidden: torch.Tensor,
+        position: int,
+        timeout: float,
+        output_hidden_states: bool = False,
+        step_id: str | None = None,
+        push_chain: list[dict] | None = None,
     ) -> torch.Tensor:
+        """One step; ``push_chain`` (the next hops' peer and session ids) asks the server to push its
+        output on to the first of them (see ``protocol``)."""
+        extra = {} if step_id is None else {"step_id": step_id, "push_chain": push_chain or []}
         request = protocol.make_request(
             [hidden],
             compression=self.manager.config.compression,
             position=position,
             output_hidden_states=output_hidden_states,
             compression_out=self.manager.config.compression,
+            **extra,
         )
-        tensors, metadata = await self._exchange(request, timeout)
+        tensors, metadata = await self._exchange(request, timeout, step_id)
         expected = (self.hop.end - self.hop.start, *hidden.shape) if output_hidden_states else tuple(hidden.shape)
         if len(tensors) != 1 or tuple(tensors[0].shape) != expected:
             got = [tuple(t.shape) for t in tensors]
@@ -361,11 +384,20 @@ class InferenceSession:
         deadline = time.monotonic() + self.manager.config.failover_deadline
         x = hidden
         states: list[torch.Tensor] = []
+        push = (
+            self.manager.config.push
+            and not output_hidden_states
+            and hidden.numel() * hidden.element_size() <= PUSH_MAX_BYTES
+        )
+        step_id = uuid.uuid4().hex if push else None
         index = 0
         while index < len(self._hops):
             hop = self._hops[index]
+            chain = [{"peer_id": h.hop.peer_id, "session_id": h.session_id} for h in self._hops[index + 1 :]]
             try:
-                out = await hop.step(x, position, self.manager.config.step_timeout, output_hidden_states)
+                out = await hop.step(
+                    x, position, self.manager.config.step_timeout, output_hidden_states, step_id, chain
+                )
                 if not output_hidden_states:
                     await self._spot_check(index, hop.hop, x, out, position)
             except CALLER_ERRORS:
@@ -373,6 +405,8 @@ class InferenceSession:
             except (PeerError, RemoteError) as e:
                 if isinstance(e, SessionNotFoundError | CacheExhaustedError | PeerError) or type(e) is RemoteError:
                     await self._replace_hop(index, position, e, deadline)
+                    # a fresh step id: later hops may have run a push from the failed hop's output
+                    step_id = uuid.uuid4().hex if push else None
                     continue  # retry this index with the replacement hop(s)
                 raise
             self.manager.bans.report_success(hop.hop.peer_id)

@@ -11,7 +11,8 @@ import logging
 import math
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections import deque
+from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import AsyncIterator  # noqa: UP035 - hivemind detects streams by typing.AsyncIterator only
 
@@ -33,6 +34,10 @@ logger = logging.getLogger(__name__)
 WIRE_DTYPES = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8}
 WIRE_MAX_NDIM = 4
 _NONE, _FLOAT16 = runtime_pb2.CompressionType.NONE, runtime_pb2.CompressionType.FLOAT16
+#: how many recent step ids a stream remembers to drop the second copy of a step (push + client copy)
+_REMEMBERED_STEPS = 16
+#: streams push messages to a peer until they end (set by the server, which owns the p2p daemon)
+PushSender = Callable[[str, AsyncIterator[runtime_pb2.ExpertRequest]], Awaitable[None]]
 
 
 class HandlerLimits:
@@ -77,6 +82,12 @@ class BlockHandler(protocol.BlockRPC):
         self.active_streams = 0
         #: the server's Prometheus metrics (worker/metrics.py), set by the server; None: not measured
         self.metrics: WorkerMetrics | None = None
+        #: server-to-server push (see ``rpc_push``): open streams' inboxes by session id, and the sender
+        self._inboxes: dict[str, asyncio.Queue] = {}
+        self.push_sender: PushSender | None = None
+        self.pushes_sent = 0
+        self.push_failures = 0
+        self.pushes_used = 0
 
     async def _compute(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
@@ -206,6 +217,9 @@ class BlockHandler(protocol.BlockRPC):
             "inference_steps": self.inference_steps,
             "active_streams": self.active_streams,
             **self.batcher.stats(),
+            "pushes_sent": self.pushes_sent,
+            "push_failures": self.push_failures,
+            "pushes_used": self.pushes_used,
             "accepting": self.accepting,
         }
         return runtime_pb2.ExpertInfo(serialized_info=protocol.pack_metadata(payload))
@@ -214,9 +228,15 @@ class BlockHandler(protocol.BlockRPC):
     async def rpc_inference(
         self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
     ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
+        """One session's stream. Steps come from the client or, pushed by the previous server of the
+        chain, through ``rpc_push``; both land in one inbox, and a step's second copy (same ``step_id``)
+        is dropped, so the client gets exactly one answer per step, from whichever copy came first."""
         owner = context.remote_id.to_base58() if context.remote_id is not None else None
         cache: SessionCache | None = None
         keep = False
+        inbox: asyncio.Queue = asyncio.Queue()
+        pushes: dict[str, PushStream] = {}
+        pump: asyncio.Task | None = None
         self.active_streams += 1
         try:
             try:
@@ -228,41 +248,157 @@ class BlockHandler(protocol.BlockRPC):
             except (TimeoutError, StopAsyncIteration):
                 return
             yield protocol.make_response(position=cache.position, session_id=cache.session_id)
+            pump = asyncio.create_task(self._pump(requests, inbox))
+            self._inboxes[cache.session_id] = inbox
+            recent: deque[str] = deque(maxlen=_REMEMBERED_STEPS)
 
             while True:
                 try:
                     async with asyncio.timeout(self.limits.idle_timeout):  # cheaper than wait_for per step
-                        request = await anext(requests)
-                except StopAsyncIteration:
-                    break
+                        source, message = await inbox.get()
                 except TimeoutError:
                     logger.info(
                         "session %s idle for %.0fs; closing it", cache.session_id, self.limits.idle_timeout
                     )
                     break
+                if source == "end":
+                    break
+                if source == "push":
+                    response = await self._pushed_step(cache, message, recent, pushes)
+                    if response is not None:
+                        yield response
+                    continue
+                step_id = None
                 try:
-                    metadata = self._unpack(request.metadata)
+                    metadata = self._unpack(message.metadata)
                     if "close" in metadata:
                         keep = bool(metadata["close"].get("keep", False))
                         break
-                    tensors = self._deserialize(request.tensors, max_count=1)
+                    step_id = metadata.get("step_id")
+                    if step_id is not None and step_id in recent:
+                        continue  # already answered from the pushed copy
+                    tensors = self._deserialize(message.tensors, max_count=1)
+                    if step_id is not None:
+                        recent.append(step_id)
                     out, position = await self._step(cache, tensors, metadata)
-                    yield protocol.make_response(
-                        [out],
-                        compression=metadata.get("compression_out", metadata.get("compression", "none")),
-                        position=position,
-                    )
+                    self._push_next(out, metadata, pushes)
+                    yield self._step_response(out, position, metadata)
                 except (RemoteError, ValueError) as e:
-                    yield protocol.make_response(error=self._wire_error(e))
+                    yield protocol.make_response(error=self._wire_error(e), step_id=step_id)
                 except Exception as e:  # never let one session take the server down
                     logger.exception("inference step failed")
                     yield protocol.make_response(
-                        error={"code": "remote_error", "message": f"internal error: {e!r}"}
+                        error={"code": "remote_error", "message": f"internal error: {e!r}"}, step_id=step_id
                     )
         finally:
             self.active_streams -= 1
+            if pump is not None:
+                pump.cancel()
+            for stream in pushes.values():
+                stream.close()
             if cache is not None:
+                if self._inboxes.get(cache.session_id) is inbox:
+                    del self._inboxes[cache.session_id]
+                self.batcher.forget(cache.session_id)
                 self.caches.release(cache.session_id, keep=keep)
+
+    @staticmethod
+    async def _pump(requests: AsyncIterator[runtime_pb2.ExpertRequest], inbox: asyncio.Queue) -> None:
+        """Move the client's messages into the stream's inbox (where pushed steps also arrive)."""
+        try:
+            async for request in requests:
+                inbox.put_nowait(("client", request))
+        except Exception as e:  # a broken stream ends the session like a closed one
+            logger.debug("inference stream broke: %r", e)
+        inbox.put_nowait(("end", None))
+
+    @staticmethod
+    def _step_response(out: torch.Tensor, position: int, metadata: dict) -> runtime_pb2.ExpertResponse:
+        return protocol.make_response(
+            [out],
+            compression=metadata.get("compression_out", metadata.get("compression", "none")),
+            position=position,
+            step_id=metadata.get("step_id"),
+        )
+
+    async def _pushed_step(
+        self,
+        cache: SessionCache,
+        pushed: tuple[list[torch.Tensor], dict],
+        recent: deque[str],
+        pushes: dict[str, PushStream],
+    ) -> runtime_pb2.ExpertResponse | None:
+        """Run a step the previous server pushed. Any problem with it is silently dropped: the client's
+        own copy of the step follows and is answered (or refused) the normal way."""
+        tensors, metadata = pushed
+        step_id = metadata.get("step_id")
+        if not isinstance(step_id, str) or step_id in recent:
+            return None
+        try:
+            out, position = await self._step(cache, tensors, metadata)
+        except Exception as e:
+            logger.debug("dropped a pushed step of session %s: %r", cache.session_id, e)
+            return None
+        recent.append(step_id)
+        self.pushes_used += 1
+        self._push_next(out, metadata, pushes)
+        return self._step_response(out, position, metadata)
+
+    def _push_next(self, out: torch.Tensor, metadata: dict, pushes: dict[str, PushStream]) -> None:
+        """Send this step's output straight to the next server of the chain, if the client asked.
+
+        ``pushes``: this session's outgoing push streams by target session, opened on first use."""
+        chain = metadata.get("push_chain")
+        if not chain or self.push_sender is None or not isinstance(chain, list):
+            return
+        target = chain[0]
+        if not isinstance(target, dict) or not isinstance(target.get("peer_id"), str):
+            return
+        session_id = str(target.get("session_id"))
+        stream = pushes.get(session_id)
+        if stream is None or stream.closed:
+            for stale in pushes.values():  # the client re-routed: the old target is no longer in its chain
+                stale.close()
+            pushes.clear()
+            stream = pushes[session_id] = PushStream(target["peer_id"], self.push_sender, self)
+        stream.send(
+            protocol.make_request(
+                [out],
+                compression=metadata.get("compression_out", "none"),
+                session_id=session_id,
+                step_id=metadata.get("step_id"),
+                position=metadata.get("position"),
+                push_chain=chain[1:],
+                compression_out=metadata.get("compression_out", "none"),
+            )
+        )
+
+    def holds_stream(self, session_id: str) -> bool:
+        return session_id in self._inboxes
+
+    def accept_push(self, request: runtime_pb2.ExpertRequest) -> bool:
+        """Queue a pushed step into its session's stream; False if the session or the message is unusable."""
+        try:
+            metadata = self._unpack(request.metadata)
+            inbox = self._inboxes.get(str(metadata.get("session_id")))
+            if inbox is None or not isinstance(metadata.get("step_id"), str):
+                return False
+            tensors = self._deserialize(request.tensors, max_count=1)
+        except (RemoteError, ValueError):
+            return False
+        inbox.put_nowait(("push", (tensors, metadata)))
+        return True
+
+    async def rpc_push(
+        self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
+    ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
+        """Steps pushed by a previous server of a chain, one message each, over one long-lived stream;
+        each goes into its session's inbox. Ends with a count of the accepted ones."""
+        accepted = 0
+        async for request in requests:
+            accepted += self.accept_push(request)
+        yield protocol.make_response(accepted=accepted)
+
 
     def _open_session(self, metadata: dict, owner: str | None) -> SessionCache:
         spec = metadata.get("open")
@@ -362,6 +498,7 @@ class BlockHandler(protocol.BlockRPC):
                 yield message
         except (RemoteError, ValueError) as e:
             yield protocol.make_response(error=self._wire_error(e))
+            await self._let_client_finish(requests)
         except Exception as e:
             logger.exception("forward failed")
             yield protocol.make_response(error={"code": "remote_error", "message": f"internal error: {e!r}"})
@@ -397,9 +534,26 @@ class BlockHandler(protocol.BlockRPC):
                 yield message
         except (RemoteError, ValueError) as e:
             yield protocol.make_response(error=self._wire_error(e))
+            await self._let_client_finish(requests)
         except Exception as e:
             logger.exception("backward failed")
             yield protocol.make_response(error={"code": "remote_error", "message": f"internal error: {e!r}"})
+
+    async def _let_client_finish(
+        self, requests: AsyncIterator[runtime_pb2.ExpertRequest], seconds: float = 1.0
+    ) -> None:
+        """After refusing a request mid-upload, read (and drop) what the client is still sending for a
+        moment before closing: closing at once can reset the stream before the client reads the error.
+        Bounded in time and bytes, so an endless upload still ends here."""
+        budget = self.limits.max_tensor_bytes
+        try:
+            async with asyncio.timeout(seconds):
+                async for message in requests:
+                    budget -= sum(len(t.buffer) for t in message.tensors)
+                    if budget < 0:
+                        return
+        except Exception:  # timeout or a broken stream: either way we are done
+            return
 
     def _check_prompts(self, prompts: torch.Tensor, hidden: torch.Tensor, num_blocks: int) -> torch.Tensor:
         """Deep prompts must be ``[num_blocks, B or 1, P <= T, H]``, finite floats within the size limit."""
@@ -436,3 +590,44 @@ class BlockHandler(protocol.BlockRPC):
         if isinstance(e, RemoteError):
             return error_to_wire(e)
         return error_to_wire(InvalidInputError(str(e)))
+
+
+class PushStream:
+    """One long-lived stream to the next server of a chain, carrying a session's pushed steps.
+
+    Opening a libp2p stream per step costs more than the hop a push saves, so a session keeps one
+    stream per target and closes it when it ends. Failures only count: the client's own copy of every
+    step still reaches the target.
+    """
+
+    def __init__(self, peer_id: str, sender: PushSender, handler: BlockHandler):
+        self.peer_id = peer_id
+        self.handler = handler
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self.closed = False
+        self._task = asyncio.create_task(self._run(sender))
+
+    def send(self, request: runtime_pb2.ExpertRequest) -> None:
+        self._queue.put_nowait(request)
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            self._queue.put_nowait(None)
+
+    async def _messages(self) -> AsyncIterator[runtime_pb2.ExpertRequest]:
+        while True:
+            request = await self._queue.get()
+            if request is None:
+                return
+            self.handler.pushes_sent += 1
+            yield request
+
+    async def _run(self, sender: PushSender) -> None:
+        try:
+            await sender(self.peer_id, self._messages())
+        except Exception as e:
+            self.handler.push_failures += 1
+            logger.debug("push stream to %s failed: %r", self.peer_id, e)
+        finally:
+            self.closed = True

@@ -211,6 +211,20 @@ class HandlerSwitch(protocol.BlockRPC):
         async for response in self._route("rpc_inference", requests, context):
             yield response
 
+    async def rpc_push(
+        self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
+    ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
+        """Each pushed step to whichever handler (current or retired) holds its session's stream."""
+        accepted = 0
+        async for request in requests:
+            try:
+                session_id = str(protocol.unpack_metadata(request.metadata).get("session_id"))
+            except Exception:
+                continue
+            handler = next((h for h in self.handlers if h.holds_stream(session_id)), None)
+            accepted += handler is not None and handler.accept_push(request)
+        yield protocol.make_response(accepted=accepted)
+
     async def rpc_forward(
         self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
     ) -> AsyncIterator[runtime_pb2.ExpertResponse]:

@@ -9,11 +9,15 @@ import signal
 import tempfile
 import time
 from dataclasses import dataclass, field
+from typing import AsyncIterator  # noqa: UP035 - as in hivemind's stream signatures
 
 import torch
 from hivemind.dht import DHT
+from hivemind.p2p import P2P, PeerID
+from hivemind.proto import runtime_pb2
 from transformers import AutoConfig
 
+from swarm_client import protocol
 from swarm_client.config import default_dht_prefix
 from swarm_client.dht_records import (
     PROTOCOL_VERSION,
@@ -46,6 +50,8 @@ from worker.rebalance import (
 from worker.throughput import measure_throughput
 
 logger = logging.getLogger("swarmserve.worker")
+#: a push stream that cannot be opened within this is given up (the client's own copies still arrive)
+PUSH_CONNECT_TIMEOUT = 5.0
 
 
 @dataclass
@@ -101,6 +107,7 @@ class BlockServer:
         self.start = self.end = 0
         self.throughput = 1.0
         self._stop = asyncio.Event()
+        self._p2p: P2P | None = None
         self.metrics = WorkerMetrics(lambda: self.switch.handlers if self.switch is not None else [])
 
     # ------------------------------------------------------------------ lifecycle
@@ -123,6 +130,7 @@ class BlockServer:
         self.handler = await self._build_handler(self.start, self.end)
         self.switch = HandlerSwitch(self.handler)
         p2p = await self.dht.replicate_p2p()
+        self._p2p = p2p
         await self.switch.add_p2p_handlers(p2p)
         self.state = ServerState.ONLINE
         await self._announce(ServerState.ONLINE)
@@ -151,6 +159,16 @@ class BlockServer:
     def request_stop(self) -> None:
         self._stop.set()
 
+    async def _push(self, peer_id: str, requests: AsyncIterator[runtime_pb2.ExpertRequest]) -> None:
+        """Server-to-server push: stream a session's step outputs to the next server of a client's chain."""
+        if self._p2p is None:
+            raise RuntimeError("p2p transport not started")
+        stub = protocol.BlockRPC.get_stub(self._p2p, PeerID.from_base58(peer_id))
+        async with asyncio.timeout(PUSH_CONNECT_TIMEOUT):
+            responses = await stub.rpc_push(requests)
+        async for _ in responses:  # one summary at the end
+            pass
+
     async def _build_handler(self, start: int, end: int) -> BlockHandler:
         """Load blocks ``[start, end)`` and wrap them in a handler (throughput is measured once, on start)."""
         cfg = self.cfg
@@ -176,6 +194,7 @@ class BlockServer:
         limits = HandlerLimits(idle_timeout=cfg.idle_timeout, max_tensor_bytes=cfg.max_tensor_bytes)
         handler = BlockHandler(runner, caches, self.config.hidden_size, start, end, self._info, limits)
         handler.metrics = self.metrics
+        handler.push_sender = self._push
         if cfg.fault:
             kind, _, after = cfg.fault.partition(":")
             handler.fault, handler.fault_after = kind, int(after or 0)
