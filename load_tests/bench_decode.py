@@ -8,6 +8,9 @@ One run measures everything, so the ratios are comparable even on a noisy machin
 
 Each configuration: prefill a 16-token prompt, then time ``--tokens`` single-token steps (argmax, KV cache
 on the servers / in the local DynamicCache); reports median and mean ms/token and the ratio to local.
+With 2+ workers it also measures server-to-server push (``push=True``: each server sends its output
+straight to the next one) on the same swarm, alternating rounds without and with it, and checks that
+both produce the same tokens.
 """
 
 from __future__ import annotations
@@ -135,23 +138,44 @@ def main() -> int:
         print(f"local: {results['local']['median_ms']:.2f} ms/token (median)", flush=True)
         for workers in [int(w) for w in args.workers.split(",")]:
             spans = spans_for(local.config.num_hidden_layers, workers)
+            modes = [False] if workers == 1 else [False, True]
+            times: dict[bool, list[float]] = {m: [] for m in modes}
+            produced: dict[bool, list[int]] = {}
             with swarm(model_path, spans) as s:
-                dist = AutoDistributedModelForCausalLM.from_pretrained(
-                    model_path, initial_peers=[s.initial_peers]
-                )
-                time_distributed(dist, prompt, 4)  # warm-up: routing, RTT probes, stream setup
-                times, produced = time_distributed(dist, prompt, args.tokens)
-                dist.shutdown()
-            entry = summarize(times)
+                models = {
+                    m: AutoDistributedModelForCausalLM.from_pretrained(
+                        model_path, initial_peers=[s.initial_peers], push=m
+                    )
+                    for m in modes
+                }
+                for m in modes:
+                    time_distributed(models[m], prompt, 4)  # warm-up: routing, RTT probes, stream setup
+                for _ in range(2):  # alternate, so drift of a noisy machine hits both modes alike
+                    for m in modes:
+                        t, produced[m] = time_distributed(models[m], prompt, args.tokens // 2)
+                        times[m].extend(t)
+                for model in models.values():
+                    model.shutdown()
+            entry = summarize(times[False])
             entry["ratio_to_local"] = entry["median_ms"] / results["local"]["median_ms"]
             entry["overhead_ms_per_token"] = entry["median_ms"] - results["local"]["median_ms"]
             entry["spans"] = spans
-            results["distributed"][str(workers)] = entry
-            print(
+            line = (
                 f"{workers} worker(s) {spans}: {entry['median_ms']:.2f} ms/token, "
-                f"{entry['ratio_to_local']:.2f}x local, +{entry['overhead_ms_per_token']:.2f} ms",
-                flush=True,
+                f"{entry['ratio_to_local']:.2f}x local, +{entry['overhead_ms_per_token']:.2f} ms"
             )
+            if True in times:
+                pushed = summarize(times[True])
+                pushed["ratio_to_local"] = pushed["median_ms"] / results["local"]["median_ms"]
+                pushed["speedup_vs_no_push"] = entry["median_ms"] / pushed["median_ms"]
+                pushed["same_tokens"] = produced[True] == produced[False]
+                entry["push"] = pushed
+                line += (
+                    f"; with push {pushed['median_ms']:.2f} ms/token ({pushed['ratio_to_local']:.2f}x local, "
+                    f"{pushed['speedup_vs_no_push']:.2f}x faster, same tokens: {pushed['same_tokens']})"
+                )
+            results["distributed"][str(workers)] = entry
+            print(line, flush=True)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=2))
