@@ -40,6 +40,12 @@ def _add_worker(sub: argparse._SubParsersAction) -> None:
     span.add_argument("--num-blocks", type=int, help="serve N blocks where the swarm is weakest")
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument(
+        "--cpu-kernels",
+        default="onednn",
+        choices=["onednn", "torch"],
+        help="on a float32 CPU server: oneDNN-packed projections (faster, cheaper batches) or plain torch",
+    )
     p.add_argument("--cache-tokens", type=int, default=16384, help="KV-cache budget in token slots")
     p.add_argument(
         "--session-ttl", type=float, default=300.0, help="keep a finished session's cache this long (s)"
@@ -137,6 +143,7 @@ def _cmd_worker(args: argparse.Namespace, rest: list[str]) -> int:
         num_blocks=args.num_blocks,
         device=args.device,
         dtype=args.dtype,
+        cpu_kernels=args.cpu_kernels,
         cache_tokens=args.cache_tokens,
         session_ttl=args.session_ttl,
         idle_timeout=args.idle_timeout,

@@ -11,6 +11,7 @@ from transformers import PretrainedConfig
 from swarm_client.families import Family
 from swarm_client.model_source import ensure_shards
 from swarm_client.weights import load_tensors
+from worker.cpu_kernels import pack_linears, packing_supported
 
 logger = logging.getLogger(__name__)
 
@@ -24,12 +25,15 @@ def load_blocks(
     dtype: torch.dtype,
     device: torch.device,
     max_disk_space: int | str | None = None,
+    pack: bool = False,
 ) -> list[nn.Module]:
     """Blocks ``[start, end)`` in ``dtype`` on ``device``; tensors of other blocks are never read.
 
     From a Hub snapshot, the shards holding the span are downloaded first, all or none: the whole span's
     size is checked against ``max_disk_space`` (and the free space) before the first byte is fetched.
+    ``pack``: on a float32 CPU server, put the projections on oneDNN-packed weights (worker/cpu_kernels.py).
     """
+    pack = pack and packing_supported(device, dtype)
     shards = ensure_shards(model_dir, [family.layer_prefix(i) for i in range(start, end)], max_disk_space)
     logger.info("blocks %d:%d live in %d checkpoint file(s): %s", start, end, len(shards), ", ".join(shards))
     blocks = []
@@ -41,8 +45,12 @@ def load_blocks(
         relative = {name[len(prefix) :]: t for name, t in tensors.items()}
         block = family.build_block(config, index, relative)
         block.requires_grad_(False)
-        blocks.append(block.to(device))
-        logger.info("loaded block %d (%d tensors)", index, len(relative))
+        block = block.to(device)
+        packed = pack_linears(block) if pack else 0
+        blocks.append(block)
+        logger.info(
+            "loaded block %d (%d tensors%s)", index, len(relative), f", {packed} projections packed" if packed else ""
+        )
     return blocks
 
 

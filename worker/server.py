@@ -62,6 +62,8 @@ class WorkerConfig:
     num_blocks: int | None = None
     device: str = "cpu"
     dtype: str = "auto"
+    #: "onednn": on a float32 CPU server, projections run on oneDNN-packed weights (worker/cpu_kernels.py)
+    cpu_kernels: str = "onednn"
     cache_tokens: int = 16384
     session_ttl: float = 300.0
     idle_timeout: float = 300.0
@@ -173,7 +175,15 @@ class BlockServer:
         """Load blocks ``[start, end)`` and wrap them in a handler (throughput is measured once, on start)."""
         cfg = self.cfg
         blocks = await asyncio.to_thread(
-            load_blocks, self.model_dir, self.config, self.family, start, end, self.dtype, self.device
+            load_blocks,
+            self.model_dir,
+            self.config,
+            self.family,
+            start,
+            end,
+            self.dtype,
+            self.device,
+            pack=cfg.cpu_kernels == "onednn",
         )
         runner = SpanRunner(blocks, self.dtype, self.device)
         layout = self.family.cache_layout(self.config)
