@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import multiprocessing
 import os
 import platform
 import shutil
@@ -35,6 +36,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Mapping, Sequence
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -42,7 +44,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from gateway.cli_gateway import WorkerProcess, split_blocks, stop_workers  # noqa: E402
-from load_tests.loadgen import PROMPTS, run_load  # noqa: E402
+from load_tests.loadgen import PROMPTS, run_load, run_load_sync  # noqa: E402
 
 DEFAULT_LEVELS = (1, 2, 4, 8, 16)
 #: the brief's bar: aggregate tok/s at this many streams at least this many times the single stream's
@@ -89,6 +91,7 @@ class LocalSwarm:
         gateway_settings: Mapping[str, Any] | None = None,
         worker_args: Sequence[str] = (),
         grace: float = 15.0,
+        client_options: Mapping[str, Any] | None = None,
     ):
         # the DHT forks a process: start it before this process's torch spins up thread pools
         from hivemind.dht import DHT
@@ -98,6 +101,8 @@ class LocalSwarm:
 
         self.model_dir = Path(model_dir)
         self.grace = grace
+        #: extra ``swarm_client`` options of the gateway's client (e.g. ``push=True``)
+        self.client_options = dict(client_options or {})
         self.prefix = default_dht_prefix(str(self.model_dir))
         self.workers: list[WorkerProcess] = []
         self.server: Any = None
@@ -160,7 +165,12 @@ class LocalSwarm:
         from gateway.swarm_backend import SwarmBackend
 
         self.backend = SwarmBackend(
-            str(self.model_dir), self.maddrs, dht_prefix=self.prefix, dht=self.dht, update_period=2.0
+            str(self.model_dir),
+            self.maddrs,
+            dht_prefix=self.prefix,
+            dht=self.dht,
+            update_period=2.0,
+            **self.client_options,
         )
         settings.setdefault("model", str(self.model_dir))
         settings.setdefault("log_level", "warning")
@@ -277,6 +287,22 @@ def _slim(detail: Mapping[str, Any]) -> dict[str, Any]:
 
 
 async def sweep(swarm: LocalSwarm, args: argparse.Namespace) -> dict[str, Any]:
+    if args.loadgen_in_process:
+        load = run_load
+    else:  # like real clients: the load generator's CPU work does not hold the gateway's GIL
+        pool = ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn"))
+
+        async def load(url: str, concurrency: int, **options: Any) -> dict[str, Any]:
+            return await asyncio.get_running_loop().run_in_executor(pool, run_load_sync, url, concurrency, options)
+
+    try:
+        return await _sweep(swarm, args, load)
+    finally:
+        if not args.loadgen_in_process:
+            pool.shutdown()
+
+
+async def _sweep(swarm: LocalSwarm, args: argparse.Namespace, run_load) -> dict[str, Any]:
     extra = {"logit_bias": eos_logit_bias(swarm.backend)} if args.ban_eos else {}
     common = dict(
         max_tokens=args.max_tokens,
@@ -350,7 +376,8 @@ def markdown(report: Mapping[str, Any]) -> str:
         f"# Concurrency sweep: {meta['model']} ({meta['workers']} workers)",
         "",
         f"{meta['max_tokens']} tokens per request (EOS banned: {meta['ban_eos']}; prefix reuse: "
-        f"{meta['affinity']}), "
+        f"{meta['affinity']}; server-to-server push: {meta.get('push', False)}; load generator in the gateway's "
+        f"process: {meta.get('loadgen_in_process', True)}), "
         f"{meta['requests_per_stream']} request(s) per stream (at least {meta['min_requests']} per level), "
         "greedy, streaming chat; "
         f"{meta['cpu_count']} CPU(s), {meta['worker_threads']} torch thread(s) per worker; "
@@ -448,6 +475,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="each level sends at least this many requests (more per stream at low concurrency): a steadier "
         "single-stream baseline",
     )  # fmt: skip
+    p.add_argument(
+        "--loadgen-in-process",
+        action="store_true",
+        help="run the load generator in the gateway's process (default: its own process, like real clients)",
+    )
+    p.add_argument("--push", action="store_true", help="the gateway's client asks servers to push to each other")
     p.add_argument("--no-ban-eos", dest="ban_eos", action="store_false", help="let requests stop at EOS")
     p.add_argument(
         "--no-affinity", dest="affinity", action="store_false",
@@ -471,7 +504,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         worker_threads = args.worker_threads or max(1, (os.cpu_count() or 1) // args.workers)
         gateway_settings = gateway_overrides(affinity=args.affinity)
         with LocalSwarm(
-            model_dir, args.workers, worker_threads=worker_threads, gateway_settings=gateway_settings
+            model_dir,
+            args.workers,
+            worker_threads=worker_threads,
+            gateway_settings=gateway_settings,
+            client_options={"push": args.push},
         ) as swarm:
             import torch
 
@@ -496,6 +533,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             "min_requests": args.min_requests,
             "ban_eos": args.ban_eos,
             "affinity": args.affinity,
+            "push": args.push,
+            "loadgen_in_process": args.loadgen_in_process,
             "levels": args.levels,
             "cpu_count": os.cpu_count(),
             "platform": platform.platform(),

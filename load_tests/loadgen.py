@@ -323,6 +323,12 @@ def _fmt(value: Any, digits: int = 1) -> str:
     return str(value)
 
 
+def run_load_sync(base_url: str, concurrency: int, options: Mapping[str, Any]) -> dict[str, Any]:
+    """``run_load`` in a fresh event loop: for a separate process (``ProcessPoolExecutor``), so the load
+    generator does not share a GIL with the server it measures."""
+    return asyncio.run(run_load(base_url, concurrency, **options))
+
+
 def markdown_table(summaries: Sequence[Mapping[str, Any]]) -> str:
     """One row per run: concurrency, requests, errors, tok/s, TTFT and ITL percentiles (ms)."""
     head = (

@@ -47,11 +47,26 @@ def load_blocks(
         block.requires_grad_(False)
         block = block.to(device)
         packed = pack_linears(block) if pack else 0
+        if packed:
+            _own_storage(block)
         blocks.append(block)
         logger.info(
             "loaded block %d (%d tensors%s)", index, len(relative), f", {packed} projections packed" if packed else ""
         )
     return blocks
+
+
+def _own_storage(block: nn.Module) -> None:
+    """Copy the block's remaining tensors out of the checkpoint's memory map. Otherwise a norm weight
+    keeps the whole mapped file alive, and with it the pages the packed projections were read from:
+    measured on the medium model's 8 blocks, 779 MB resident instead of 430."""
+    for module in block.modules():
+        for name, param in module._parameters.items():
+            if param is not None:
+                module._parameters[name] = nn.Parameter(param.detach().clone(), requires_grad=param.requires_grad)
+        for name, buffer in module._buffers.items():
+            if buffer is not None:
+                module._buffers[name] = buffer.clone()
 
 
 def resolve_dtype(name: str, device: torch.device, config: PretrainedConfig | None = None) -> torch.dtype:
