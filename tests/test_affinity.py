@@ -266,6 +266,8 @@ class _KeptSession:
         if self.resumed and self.owner.lose_resumed_at_step == self.steps:
             self.owner.losses += 1
             raise SessionLost("injected: a server of the resumed session is gone")
+        if self.resumed and self.owner.hold_resumed is not None:
+            self.owner.hold_resumed.wait(60)
         with self.owner.lock:
             self.owner.tokens_processed += len(token_ids)
         return self.local.step(token_ids)
@@ -299,10 +301,15 @@ class ResumableLocal:
         self.tokens_processed = 0
         self.lose_resumed_at_step: int | None = None
         self.losses = 0
+        #: when set, a resumed session's steps wait for this event (to hold a claimed record in use)
+        self.hold_resumed: threading.Event | None = None
+        self.opened = 0
 
     def open_session(
         self, max_length: int, session_id: str | None = None, resume: SessionSnapshot | None = None
     ) -> _KeptSession:
+        with self.lock:
+            self.opened += 1
         if resume is None:
             return _KeptSession(self, self.inner.open_session(max_length, session_id), resumed=False)
         with self.lock:
@@ -434,14 +441,25 @@ def test_local_concurrent_turns_fork_instead_of_sharing(local_pair: tuple[Gatewa
     first, _ = _chat(reuse, messages)
     messages += [{"role": "assistant", "content": first}, {"role": "user", "content": QUESTIONS[1]}]
     expected = _chat(plain, messages)[0]
+    backend: ResumableLocal = reuse.backend
     results: list[tuple[str, Any]] = []
     threads = [threading.Thread(target=lambda: results.append(_chat(reuse, messages))) for _ in range(3)]
-    for t in threads:
-        t.start()
+    # whoever claims the record holds its session until the other two have opened theirs, so all three
+    # really are concurrent (otherwise a turn that starts after the claimant finished may reuse legitimately)
+    backend.hold_resumed, opened_before = threading.Event(), backend.opened
+    try:
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 60
+        while backend.opened < opened_before + 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
+    finally:
+        backend.hold_resumed.set()
+        backend.hold_resumed = None
     for t in threads:
         t.join(60)
     assert [text for text, _ in results] == [expected] * 3
-    assert sum(u.prompt_tokens_details.cached_tokens > 0 for _, u in results) <= 1
+    assert sum(u.prompt_tokens_details.cached_tokens > 0 for _, u in results) == 1
 
 
 def test_local_n_choices_only_choice_0_reuses(local_pair: tuple[Gateway, Gateway]) -> None:
