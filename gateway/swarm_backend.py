@@ -255,10 +255,4 @@ class SwarmBackend:
         for s in sessions:
             with contextlib.suppress(Exception):
                 s.close()
-        # SequenceManager.shutdown() leaves its replicated P2P client open, whose pending connection task
-        # asyncio reports at exit ("Task was destroyed but it is pending"); close it while the loop runs
-        p2p = getattr(self.manager, "_p2p", None)
-        if p2p is not None:
-            with contextlib.suppress(Exception):
-                runtime.run(p2p.shutdown(), timeout=5)
-        self.model.shutdown()
+        self.model.shutdown()  # also closes the client's P2P connection

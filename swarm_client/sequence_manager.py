@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from dataclasses import dataclass, field
@@ -11,7 +12,7 @@ from hivemind.dht import DHT
 from hivemind.p2p import P2P, PeerID
 from hivemind.proto import runtime_pb2
 
-from swarm_client import protocol
+from swarm_client import protocol, runtime
 from swarm_client.dht_records import (
     RemoteSpanInfo,
     ServerState,
@@ -153,5 +154,23 @@ class SequenceManager:
         return missing_blocks(self.spans, self.config.num_blocks)
 
     def shutdown(self) -> None:
+        """Close the replicated P2P client on the I/O loop that opened it, then the DHT if this owns it.
+
+        A P2P client left open is collected later with a pending connection task, after its loop is gone
+        ("Task was destroyed but it is pending", errors raised from hivemind's ``__del__``)."""
+        p2p, self._p2p = self._p2p, None
+        if p2p is not None:
+            with contextlib.suppress(Exception):
+                if _running_loop() is runtime.get_loop():
+                    runtime.get_loop().create_task(p2p.shutdown())
+                else:
+                    runtime.run(p2p.shutdown(), timeout=5)
         if self._owns_dht:
             self.dht.shutdown()
+
+
+def _running_loop() -> asyncio.AbstractEventLoop | None:
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        return None
