@@ -58,17 +58,28 @@ def test_predictor_learns_periods_and_drops_idle_sessions():
 
 def test_plan_waits_only_as_long_as_it_saves():
     costs = cpu_like_costs()
+    once = {"recurring": 1}  # the saving of one step only
     # one row pending, one due in 1 ms: 1 + 1 rows save nothing on this hardware
     assert plan_wait(costs, [(1.001, 1)], pending_rows=1, now=1.0, max_wait=1.0) == 0.0
     # four pending, four due in 5 ms: saves 12 ms of compute, so wait
-    assert plan_wait(costs, [(1.005, 4)], pending_rows=4, now=1.0, max_wait=1.0) == pytest.approx(0.005)
+    assert plan_wait(costs, [(1.005, 4)], pending_rows=4, now=1.0, max_wait=1.0, **once) == pytest.approx(0.005)
     # ... but not 20 ms for them
-    assert plan_wait(costs, [(1.020, 4)], pending_rows=4, now=1.0, max_wait=1.0) == 0.0
+    assert plan_wait(costs, [(1.020, 4)], pending_rows=4, now=1.0, max_wait=1.0, **once) == 0.0
     # several due: the latest one that still pays, and never past max_wait
     due = [(1.002, 2), (1.004, 2), (1.5, 8)]
-    assert plan_wait(costs, due, pending_rows=4, now=1.0, max_wait=1.0) == pytest.approx(0.004)
-    assert plan_wait(costs, due, pending_rows=4, now=1.0, max_wait=0.003) == pytest.approx(0.002)
+    assert plan_wait(costs, due, pending_rows=4, now=1.0, max_wait=1.0, **once) == pytest.approx(0.004)
+    assert plan_wait(costs, due, pending_rows=4, now=1.0, max_wait=0.003, **once) == pytest.approx(0.002)
     assert plan_wait(BatchCosts(), due, pending_rows=4, now=1.0, max_wait=1.0) == 0.0  # nothing measured
+
+
+def test_plan_counts_the_saving_of_the_steps_that_stay_merged():
+    costs = cpu_like_costs()  # 4 + 4 rows together save 12 ms a step
+    assert plan_wait(costs, [(1.020, 4)], pending_rows=4, now=1.0, max_wait=1.0, recurring=1) == 0.0
+    # merged sessions stay merged: over 4 steps the 20 ms wait saves 48 ms
+    assert plan_wait(costs, [(1.020, 4)], pending_rows=4, now=1.0, max_wait=1.0, recurring=4) == pytest.approx(0.02)
+    assert plan_wait(costs, [(1.060, 4)], pending_rows=4, now=1.0, max_wait=1.0, recurring=4) == 0.0
+    # a saving of nothing stays nothing however often it recurs
+    assert plan_wait(costs, [(1.001, 1)], pending_rows=1, now=1.0, max_wait=1.0, recurring=4) == 0.0
 
 
 def _staggered_run(runner, layout, costs: BatchCosts) -> tuple[StepBatcher, list, list]:

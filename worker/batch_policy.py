@@ -15,8 +15,9 @@ So the policy measures both things it needs instead of assuming them:
   running average of its step period; a session silent for several periods is not expected).
 
 ``plan_wait`` then waits for the sessions predicted within the largest wait that pays for itself:
-``wait <= cost(n) + cost(k) - cost(n + k)`` (computing the ``n`` waiting rows now and the ``k`` arriving
-ones after costs the left side; waiting and computing them together costs ``wait + cost(n + k)``).
+``wait <= RECURRING_STEPS * (cost(n) + cost(k) - cost(n + k))`` (computing the ``n`` waiting rows now and
+the ``k`` arriving ones after costs ``cost(n) + cost(k)``; waiting and computing them together costs
+``wait + cost(n + k)``; and sessions merged once stay merged, so the saving recurs on the steps after).
 """
 
 from __future__ import annotations
@@ -29,6 +30,9 @@ from dataclasses import dataclass, field
 EMA = 0.3
 #: a session silent for this many of its own periods is idle (between turns, thinking), not expected
 STALE_PERIODS = 3.0
+#: sessions merged into one batch stay merged for the steps that follow (measured: fragments persist
+#: for a whole generation), so a wait is weighed against the saving of this many steps, not one
+RECURRING_STEPS = 4
 
 
 class BatchCosts:
@@ -113,12 +117,17 @@ class ArrivalPredictor:
 
 
 def plan_wait(
-    costs: BatchCosts, expected: list[tuple[float, int]], pending_rows: int, now: float, max_wait: float
+    costs: BatchCosts,
+    expected: list[tuple[float, int]],
+    pending_rows: int,
+    now: float,
+    max_wait: float,
+    recurring: float = RECURRING_STEPS,
 ) -> float:
     """How long to keep the pending rows waiting for the expected ones (0: start now).
 
-    Picks the latest predicted arrival whose wait still pays for itself, so one straggler due much later
-    does not stop the sessions due sooner from joining.
+    Picks the latest predicted arrival whose wait still pays for itself (``recurring`` steps of the
+    saving), so one straggler due much later does not stop the sessions due sooner from joining.
     """
     best, arriving = 0.0, 0
     for when, rows in expected:
@@ -126,6 +135,6 @@ def plan_wait(
         if wait > max_wait:
             break
         arriving += rows
-        if wait <= costs.saving(pending_rows, arriving):
+        if wait <= recurring * costs.saving(pending_rows, arriving):
             best = wait
     return best
