@@ -54,9 +54,7 @@ def test_batched_decode_equals_unbatched(runner_and_layout):
             for i, b in enumerate(batches)
         ]
         expected = [runner.inference_step(c, t, c.position) for c, t in zip(alone, tokens, strict=True)]
-        got = runner.inference_batch(
-            [StepItem(c, t, c.position) for c, t in zip(together, tokens, strict=True)]
-        )
+        got = runner.inference_batch([StepItem(c, t, c.position) for c, t in zip(together, tokens, strict=True)])
         for e, g in zip(expected, got, strict=True):
             torch.testing.assert_close(g, e, atol=1e-4, rtol=0)
     assert [c.position for c in together] == [c.position for c in alone]
@@ -90,9 +88,36 @@ def test_step_batcher_groups_concurrent_steps(runner_and_layout):
 
     outs = asyncio.run(run_all())
     for cache, out in zip(reference, outs, strict=True):
-        torch.testing.assert_close(
-            out, runner.inference_step(cache, token, cache.position), atol=1e-4, rtol=0
-        )
+        torch.testing.assert_close(out, runner.inference_step(cache, token, cache.position), atol=1e-4, rtol=0)
     assert batcher.batches < len(sessions)  # at least some steps shared a pass
     assert batcher.max_batch_seen > 1
     executor.shutdown()
+
+
+def test_prefills_share_the_pass_with_decode_steps(runner_and_layout, monkeypatch):
+    """Prompts of several lengths and batch sizes, prefilled in one batch beside decode steps, then decoded
+    together: every result and cache equals running each session alone, and nothing ran alone."""
+    runner, layout, _ = runner_and_layout
+    lengths, batches = [3, 1, 6, 2], [1, 2, 1, 3]
+    alone = make_sessions(runner, layout, lengths, batches)
+    together = make_sessions(runner, layout, lengths, batches)
+    solo_calls = []
+    original_step = runner.inference_step
+    for step, new_tokens in enumerate([[5, 1, 9, 1], [1, 7, 1, 4], [1, 1, 1, 1]]):
+        tokens = [
+            torch.randn(b, t, 64, generator=torch.Generator().manual_seed(10 * step + i))
+            for i, (b, t) in enumerate(zip(batches, new_tokens, strict=True))
+        ]
+        expected = [original_step(c, t, c.position) for c, t in zip(alone, tokens, strict=True)]
+        monkeypatch.setattr(runner, "inference_step", lambda *a, **k: solo_calls.append(a) or original_step(*a, **k))
+        got = runner.inference_batch([StepItem(c, t, c.position) for c, t in zip(together, tokens, strict=True)])
+        monkeypatch.setattr(runner, "inference_step", original_step)
+        for e, g in zip(expected, got, strict=True):
+            assert g.shape == e.shape
+            torch.testing.assert_close(g, e, atol=1e-4, rtol=0)
+        assert [c.position for c in together] == [c.position for c in alone]
+    assert solo_calls == []
+    for a, b in zip(alone, together, strict=True):  # the caches hold the same keys and values
+        for (ka, va), (kb, vb) in zip(a.layer_kv(), b.layer_kv(), strict=True):
+            torch.testing.assert_close(ka[:, :, : a.position], kb[:, :, : b.position], atol=1e-4, rtol=0)
+            torch.testing.assert_close(va[:, :, : a.position], vb[:, :, : b.position], atol=1e-4, rtol=0)

@@ -53,7 +53,7 @@ class StepBatcher:
         self.compute_seconds: deque[float] = deque(maxlen=512)
 
     async def submit(self, item: StepItem) -> torch.Tensor:
-        if self.runner.can_batch(item):
+        if self.runner.can_batch(item) and item.hidden.shape[1] == 1:  # decode steps set the session's pace
             self.arrivals.arrived(item.cache.session_id, item.hidden.shape[0])
         small = item.hidden.shape[0] * item.hidden.shape[1] <= 8  # never block the loop on a long prefill
         if (
@@ -87,7 +87,7 @@ class StepBatcher:
         seconds = time.perf_counter() - t0
         self.compute_seconds.append(seconds)
         if all(self.runner.can_batch(i) for i in items):
-            self.costs.observe(sum(i.hidden.shape[0] for i in items), seconds)
+            self.costs.observe(sum(_tokens(i) for i in items), seconds)
         return result
 
     def stats(self) -> dict:
@@ -115,7 +115,7 @@ class StepBatcher:
             pending_ids = {item.cache.session_id for item, _ in self._pending}
             expected = self.arrivals.expected(pending_ids, now)
             budget = self.max_wait - (loop.time() - start)
-            wait = plan_wait(self.costs, expected, sum(i.hidden.shape[0] for i in batchable), now, budget)
+            wait = plan_wait(self.costs, expected, sum(_tokens(i) for i in batchable), now, budget)
             if wait <= 0:
                 return
             self._arrived.clear()
@@ -150,3 +150,8 @@ class StepBatcher:
             for (_, fut), out in zip(batch, outs, strict=True):
                 if not fut.done():
                     fut.set_result(out)
+
+
+def _tokens(item: StepItem) -> int:
+    """Rows the step adds to a batch: one per token of each sequence (a batch's cost grows with these)."""
+    return item.hidden.shape[0] * item.hidden.shape[1]

@@ -47,11 +47,12 @@ class SpanRunner:
         return torch.stack(states) if output_hidden_states else x
 
     def can_batch(self, item: StepItem) -> bool:
-        return item.hidden.shape[1] == 1 and not item.output_hidden_states
+        """Decode steps and prefills alike; steps that want every block's hidden states run alone."""
+        return not item.output_hidden_states
 
     @torch.inference_mode()
     def inference_batch(self, items: list[StepItem]) -> list[torch.Tensor]:
-        """Run several sessions' steps; single-token steps over the same blocks share one pass.
+        """Run several sessions' steps; steps over the same blocks share one pass (their tokens as rows).
 
         Results equal running each item alone with ``inference_step`` (same math per row; tests check it).
         """
@@ -73,20 +74,25 @@ class SpanRunner:
                     items[i].cache, items[i].hidden, items[i].position, False, slice(start, stop)
                 )
                 continue
-            hidden = torch.cat([items[i].hidden.to(self.device, self.dtype) for i in indices], 0)
+            # every token of every step is a row: [sum of batch * length, 1, H]
+            hidden = torch.cat(
+                [items[i].hidden.to(self.device, self.dtype).reshape(-1, 1, items[i].hidden.shape[-1]) for i in indices]
+            )
             bounds, row = [], 0
             for i in indices:
-                bounds.append((row, row + items[i].hidden.shape[0]))
-                row += items[i].hidden.shape[0]
+                batch, length = items[i].hidden.shape[:2]
+                bounds.append((row, row + batch * length))
+                row += batch * length
             for layer_index, block in enumerate(self.blocks[slice(start, stop)]):
                 segments = [
-                    Segment(a, b, items[i].position, items[i].cache.kv[layer_index])
+                    Segment(a, b, items[i].position, items[i].cache.kv[layer_index], *items[i].hidden.shape[:2])
                     for i, (a, b) in zip(indices, bounds, strict=True)
                 ]
                 hidden = llama_forward_batch(block, hidden, segments)
             for i, (a, b) in zip(indices, bounds, strict=True):
-                items[i].cache.position = items[i].position + 1
-                results[i] = hidden[a:b]
+                batch, length = items[i].hidden.shape[:2]
+                items[i].cache.position = items[i].position + length
+                results[i] = hidden[a:b].view(batch, length, -1)
         return results  # type: ignore[return-value]
 
     @torch.inference_mode()

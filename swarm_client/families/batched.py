@@ -1,8 +1,11 @@
-"""Continuous batching of decode steps from *different* sessions through one llama-shaped block.
+"""Continuous batching of steps from *different* sessions through one llama-shaped block.
 
 Every session keeps its own KV cache (different lengths, positions and batch sizes), so only attention
-runs per session; norms, projections and the MLP run once over all sessions' rows. On a GPU or for
-wide models that turns N small matmuls into one; on small models it removes N-1 passes of Python.
+runs per session; norms, projections and the MLP run once over all sessions' tokens. A step may carry one
+token per sequence (decode) or many (a prompt's prefill): all tokens are flattened into rows, so a new
+request's prefill shares the pass over the weights with the other sessions' decode steps instead of
+costing a pass of its own. On a GPU or for wide models that turns N small matmuls into one; on small
+models it removes N-1 passes of Python.
 """
 
 from __future__ import annotations
@@ -18,12 +21,19 @@ from swarm_client.families.llama import LlamaBlock, attend, rotate_half
 
 @dataclass
 class Segment:
-    """Rows ``[start, end)`` of the batch belong to one session at ``position`` with cache ``kv``."""
+    """Rows ``[start, end)`` of the batch are one session's step: ``batch`` sequences of ``length`` tokens
+    (row-major: sequence 0's tokens first) at ``position``, with cache ``kv``."""
 
     start: int
     end: int
     position: int
     kv: KV
+    batch: int = 1
+    length: int = 1
+
+    def __post_init__(self) -> None:
+        if self.end - self.start != self.batch * self.length:
+            raise ValueError(f"segment of {self.end - self.start} rows is not {self.batch} x {self.length} tokens")
 
 
 def supports_batching(block: nn.Module) -> bool:
@@ -32,24 +42,30 @@ def supports_batching(block: nn.Module) -> bool:
 
 
 def llama_forward_batch(block: LlamaBlock, hidden: torch.Tensor, segments: list[Segment]) -> torch.Tensor:
-    """One decode token per row: ``hidden [N, 1, H]``, rows grouped into ``segments``."""
+    """One token per row: ``hidden [N, 1, H]``, the rows grouped into ``segments``; same math as running
+    each segment's ``[batch, length, H]`` through ``block.forward`` with its cache."""
     rows = hidden.shape[0]
     layer, attn = block.layer, block.layer.self_attn
     x = layer.input_layernorm(hidden)
-    q = attn.q_proj(x).view(rows, 1, -1, block.head_dim).transpose(1, 2)  # [N, Hq, 1, D]
-    k = attn.k_proj(x).view(rows, 1, -1, block.head_dim).transpose(1, 2)  # [N, Hkv, 1, D]
-    v = attn.v_proj(x).view(rows, 1, -1, block.head_dim).transpose(1, 2)
+    q = attn.q_proj(x).view(rows, -1, block.head_dim)  # [N, Hq, D]
+    k = attn.k_proj(x).view(rows, -1, block.head_dim)  # [N, Hkv, D]
+    v = attn.v_proj(x).view(rows, -1, block.head_dim)
     position_ids = torch.empty(rows, 1, dtype=torch.long, device=hidden.device)
     for seg in segments:
-        position_ids[seg.start : seg.end] = seg.position
-    cos, sin = block.rotary.rotary(x, position_ids)  # [N, 1, D]
-    cos, sin = cos[:, None], sin[:, None]
+        offsets = torch.arange(seg.length, device=hidden.device).repeat(seg.batch)
+        position_ids[seg.start : seg.end, 0] = seg.position + offsets
+    cos, sin = block.rotary.rotary(x, position_ids)  # [N, 1, D]: broadcast over heads
     q = q * cos + rotate_half(q) * sin
     k = k * cos + rotate_half(k) * sin
     outs = []
     for seg in segments:
-        keys, values = write_kv(seg.kv, seg.position, k[seg.start : seg.end], v[seg.start : seg.end])
-        outs.append(attend(q[seg.start : seg.end], keys, values, seg.position, block.scaling))
+
+        def per_sequence(t: torch.Tensor, seg: Segment = seg) -> torch.Tensor:  # [rows, H, D] -> [B, H, T, D]
+            return t[seg.start : seg.end].view(seg.batch, seg.length, -1, block.head_dim).transpose(1, 2)
+
+        keys, values = write_kv(seg.kv, seg.position, per_sequence(k), per_sequence(v))
+        out = attend(per_sequence(q), keys, values, seg.position, block.scaling)  # [B, T, Hq * D]
+        outs.append(out.reshape(seg.end - seg.start, 1, -1))
     out = torch.cat(outs, 0) if len(outs) > 1 else outs[0]
     hidden = hidden + attn.o_proj(out)
     return hidden + layer.mlp(layer.post_attention_layernorm(hidden))
