@@ -28,14 +28,18 @@ def get_loop() -> asyncio.AbstractEventLoop:
         return _loop
 
 
+def on_io_loop() -> bool:
+    """Whether the caller runs on the I/O loop itself (where ``run`` would deadlock)."""
+    try:
+        return asyncio.get_running_loop() is get_loop()
+    except RuntimeError:
+        return False
+
+
 def run(coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
     """Run ``coro`` on the I/O loop and wait for it (from any thread but the I/O loop itself)."""
     loop = get_loop()
-    try:
-        running = asyncio.get_running_loop()
-    except RuntimeError:
-        running = None
-    if running is loop:
+    if on_io_loop():
         raise RuntimeError("swarm_client.runtime.run called from the I/O loop; await the coroutine instead")
     return asyncio.run_coroutine_threadsafe(coro, loop).result(timeout)
 

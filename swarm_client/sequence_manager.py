@@ -161,16 +161,9 @@ class SequenceManager:
         p2p, self._p2p = self._p2p, None
         if p2p is not None:
             with contextlib.suppress(Exception):
-                if _running_loop() is runtime.get_loop():
+                if runtime.on_io_loop():
                     runtime.get_loop().create_task(p2p.shutdown())
                 else:
                     runtime.run(p2p.shutdown(), timeout=5)
         if self._owns_dht:
             self.dht.shutdown()
-
-
-def _running_loop() -> asyncio.AbstractEventLoop | None:
-    try:
-        return asyncio.get_running_loop()
-    except RuntimeError:
-        return None

@@ -55,7 +55,7 @@ class StepBatcher:
     async def submit(self, item: StepItem) -> torch.Tensor:
         if self.runner.can_batch(item) and item.hidden.shape[1] == 1:  # decode steps set the session's pace
             self.arrivals.arrived(item.cache.session_id, item.hidden.shape[0])
-        small = item.hidden.shape[0] * item.hidden.shape[1] <= 8  # never block the loop on a long prefill
+        small = _tokens(item) <= 8  # never block the loop on a long prefill
         if (
             small
             and self.single_stream is not None

@@ -78,19 +78,19 @@ class SpanRunner:
             hidden = torch.cat(
                 [items[i].hidden.to(self.device, self.dtype).reshape(-1, 1, items[i].hidden.shape[-1]) for i in indices]
             )
+            # each step's rows [a, b) and its (batch, length)
             bounds, row = [], 0
             for i in indices:
                 batch, length = items[i].hidden.shape[:2]
-                bounds.append((row, row + batch * length))
+                bounds.append((row, row + batch * length, batch, length))
                 row += batch * length
             for layer_index, block in enumerate(self.blocks[slice(start, stop)]):
                 segments = [
-                    Segment(a, b, items[i].position, items[i].cache.kv[layer_index], *items[i].hidden.shape[:2])
-                    for i, (a, b) in zip(indices, bounds, strict=True)
+                    Segment(a, b, items[i].position, items[i].cache.kv[layer_index], batch, length)
+                    for i, (a, b, batch, length) in zip(indices, bounds, strict=True)
                 ]
                 hidden = llama_forward_batch(block, hidden, segments)
-            for i, (a, b) in zip(indices, bounds, strict=True):
-                batch, length = items[i].hidden.shape[:2]
+            for i, (a, b, batch, length) in zip(indices, bounds, strict=True):
                 items[i].cache.position = items[i].position + length
                 results[i] = hidden[a:b].view(batch, length, -1)
         return results  # type: ignore[return-value]
