@@ -42,9 +42,10 @@ def _add_worker(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument(
         "--cpu-kernels",
-        default="onednn",
-        choices=["onednn", "torch"],
-        help="on a float32 CPU server: oneDNN-packed projections (faster, cheaper batches) or plain torch",
+        default="auto",
+        choices=["auto", "panels", "onednn", "torch"],  # worker.cpu_kernels.CPU_KERNELS (no torch import here)
+        help="on a float32 CPU server: our panel kernel for small batches (auto: where it builds, else oneDNN), "
+        "oneDNN-packed projections, or plain torch",
     )
     p.add_argument("--cache-tokens", type=int, default=16384, help="KV-cache budget in token slots")
     p.add_argument(

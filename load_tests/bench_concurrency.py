@@ -487,6 +487,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="turn the gateway's prefix reuse off (every request prefills afresh)",
     )  # fmt: skip
     p.add_argument("--worker-threads", type=int, default=None, help="torch threads per worker (CPUs/workers)")
+    p.add_argument(
+        "--cpu-kernels", default="auto", choices=["auto", "panels", "onednn", "torch"],
+        help="the workers' projection kernels (swarmserve worker --cpu-kernels)",
+    )  # fmt: skip
     p.add_argument("--gateway-threads", type=int, default=1, help="torch threads of this (gateway) process")
     p.add_argument("--request-timeout", type=float, default=300.0)
     p.add_argument("--level-deadline", type=float, default=900.0, help="hard limit of one level (seconds)")
@@ -509,6 +513,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             worker_threads=worker_threads,
             gateway_settings=gateway_settings,
             client_options={"push": args.push},
+            worker_args=["--cpu-kernels", args.cpu_kernels],
         ) as swarm:
             import torch
 
@@ -527,6 +532,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "model_dir": str(model_dir) if args.model not in ("tiny", "medium") else None,
             "workers": args.workers,
             "worker_threads": worker_threads,
+            "cpu_kernels": args.cpu_kernels,
             "gateway_threads": args.gateway_threads,
             "max_tokens": args.max_tokens,
             "requests_per_stream": args.requests_per_stream,

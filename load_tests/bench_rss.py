@@ -28,7 +28,7 @@ config = AutoConfig.from_pretrained(path)
 before = psutil.Process().memory_info().rss
 if mode.startswith("blocks:"):
     a, b = (int(x) for x in mode.split(":")[1:])
-    blocks = load_blocks(path, config, get_family(config), a, b, torch.float32, torch.device("cpu"), pack=True)
+    blocks = load_blocks(path, config, get_family(config), a, b, torch.float32, torch.device("cpu"), cpu_kernels="auto")
 elif mode == "full":
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
 # touch every weight: safetensors maps files lazily, and untouched pages are not resident yet

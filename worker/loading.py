@@ -11,7 +11,7 @@ from transformers import PretrainedConfig
 from swarm_client.families import Family
 from swarm_client.model_source import ensure_shards
 from swarm_client.weights import load_tensors
-from worker.cpu_kernels import pack_linears, packing_supported
+from worker.cpu_kernels import pack_linears, resolve_cpu_kernels
 
 logger = logging.getLogger(__name__)
 
@@ -25,15 +25,18 @@ def load_blocks(
     dtype: torch.dtype,
     device: torch.device,
     max_disk_space: int | str | None = None,
-    pack: bool = False,
+    cpu_kernels: str = "torch",
 ) -> list[nn.Module]:
     """Blocks ``[start, end)`` in ``dtype`` on ``device``; tensors of other blocks are never read.
 
     From a Hub snapshot, the shards holding the span are downloaded first, all or none: the whole span's
     size is checked against ``max_disk_space`` (and the free space) before the first byte is fetched.
-    ``pack``: on a float32 CPU server, put the projections on oneDNN-packed weights (worker/cpu_kernels.py).
+    ``cpu_kernels``: on a float32 CPU server, put the projections on packed weights (``auto``, ``panels``,
+    ``onednn``; worker/cpu_kernels.py); elsewhere, and with ``torch``, blocks keep plain layers.
     """
-    pack = pack and packing_supported(device, dtype)
+    kind = resolve_cpu_kernels(cpu_kernels, device, dtype)
+    if cpu_kernels != "torch":
+        logger.info("projections run on %s kernels (asked for %s)", kind, cpu_kernels)
     shards = ensure_shards(model_dir, [family.layer_prefix(i) for i in range(start, end)], max_disk_space)
     logger.info("blocks %d:%d live in %d checkpoint file(s): %s", start, end, len(shards), ", ".join(shards))
     blocks = []
@@ -46,7 +49,7 @@ def load_blocks(
         block = family.build_block(config, index, relative)
         block.requires_grad_(False)
         block = block.to(device)
-        packed = pack_linears(block) if pack else 0
+        packed = pack_linears(block, kind) if kind != "torch" else 0
         if packed:
             _own_storage(block)
         blocks.append(block)

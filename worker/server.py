@@ -62,8 +62,9 @@ class WorkerConfig:
     num_blocks: int | None = None
     device: str = "cpu"
     dtype: str = "auto"
-    #: "onednn": on a float32 CPU server, projections run on oneDNN-packed weights (worker/cpu_kernels.py)
-    cpu_kernels: str = "onednn"
+    #: on a float32 CPU server, projections run on packed weights: "auto" (our panel kernel where it builds,
+    #: else oneDNN), "panels", "onednn" or "torch" (worker/cpu_kernels.py)
+    cpu_kernels: str = "auto"
     cache_tokens: int = 16384
     session_ttl: float = 300.0
     idle_timeout: float = 300.0
@@ -183,7 +184,7 @@ class BlockServer:
             end,
             self.dtype,
             self.device,
-            pack=cfg.cpu_kernels == "onednn",
+            cpu_kernels=cfg.cpu_kernels,
         )
         runner = SpanRunner(blocks, self.dtype, self.device)
         layout = self.family.cache_layout(self.config)
