@@ -7,7 +7,13 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from swarm_client.families.batched import Segment, llama_forward_batch, supports_batching
+from swarm_client.families.batched import (
+    Segment,
+    llama_forward_batch,
+    rotary_tables,
+    same_rotary,
+    supports_batching,
+)
 from worker.cache import SessionCache
 
 
@@ -26,6 +32,8 @@ class SpanRunner:
         self.blocks = blocks
         self.dtype = dtype
         self.device = device
+        #: batches compute the rotary tables once for all layers when every block has the same rotary
+        self.shared_rotary = bool(blocks) and all(supports_batching(b) for b in blocks) and same_rotary(blocks)
 
     @torch.inference_mode()
     def inference_step(
@@ -84,12 +92,15 @@ class SpanRunner:
                 batch, length = items[i].hidden.shape[:2]
                 bounds.append((row, row + batch * length, batch, length))
                 row += batch * length
+            rope = None
             for layer_index, block in enumerate(self.blocks[slice(start, stop)]):
                 segments = [
                     Segment(a, b, items[i].position, items[i].cache.kv[layer_index], batch, length)
                     for i, (a, b, batch, length) in zip(indices, bounds, strict=True)
                 ]
-                hidden = llama_forward_batch(block, hidden, segments)
+                if self.shared_rotary and rope is None:
+                    rope = rotary_tables(block, hidden, segments)
+                hidden = llama_forward_batch(block, hidden, segments, rope)
             for i, (a, b, batch, length) in zip(indices, bounds, strict=True):
                 items[i].cache.position = items[i].position + length
                 results[i] = hidden[a:b].view(batch, length, -1)

@@ -41,20 +41,47 @@ def supports_batching(block: nn.Module) -> bool:
     return type(block) is LlamaBlock and not getattr(block, "sliding_window", None)
 
 
-def llama_forward_batch(block: LlamaBlock, hidden: torch.Tensor, segments: list[Segment]) -> torch.Tensor:
+def position_ids(segments: list[Segment], device: torch.device) -> torch.Tensor:
+    """``[N, 1]``: each row's absolute position (one tensor built from a list, not one op per segment)."""
+    ids = [seg.position + t for seg in segments for _ in range(seg.batch) for t in range(seg.length)]
+    return torch.tensor(ids, dtype=torch.long, device=device)[:, None]
+
+
+def rotary_tables(
+    block: LlamaBlock, hidden: torch.Tensor, segments: list[Segment]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin ``[N, 1, D]`` of every row, as ``block``'s rotary embedding computes them. The blocks of one
+    model share their rotary configuration, so a span computes this once per batch, not once per layer."""
+    return block.rotary.rotary(hidden, position_ids(segments, hidden.device))
+
+
+def same_rotary(blocks: list[LlamaBlock]) -> bool:
+    """True when every block's rotary embedding gives the same tables (same class, frequencies, scaling)."""
+    first = blocks[0].rotary.rotary
+    return all(
+        type(b.rotary.rotary) is type(first)
+        and torch.equal(b.rotary.rotary.inv_freq, first.inv_freq)
+        and getattr(b.rotary.rotary, "attention_scaling", 1.0) == getattr(first, "attention_scaling", 1.0)
+        for b in blocks[1:]
+    )
+
+
+def llama_forward_batch(
+    block: LlamaBlock,
+    hidden: torch.Tensor,
+    segments: list[Segment],
+    rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> torch.Tensor:
     """One token per row: ``hidden [N, 1, H]``, the rows grouped into ``segments``; same math as running
-    each segment's ``[batch, length, H]`` through ``block.forward`` with its cache."""
+    each segment's ``[batch, length, H]`` through ``block.forward`` with its cache. ``rope``: the rows'
+    cos/sin from ``rotary_tables`` when the caller shares them between layers."""
     rows = hidden.shape[0]
     layer, attn = block.layer, block.layer.self_attn
     x = layer.input_layernorm(hidden)
     q = attn.q_proj(x).view(rows, -1, block.head_dim)  # [N, Hq, D]
     k = attn.k_proj(x).view(rows, -1, block.head_dim)  # [N, Hkv, D]
     v = attn.v_proj(x).view(rows, -1, block.head_dim)
-    position_ids = torch.empty(rows, 1, dtype=torch.long, device=hidden.device)
-    for seg in segments:
-        offsets = torch.arange(seg.length, device=hidden.device).repeat(seg.batch)
-        position_ids[seg.start : seg.end, 0] = seg.position + offsets
-    cos, sin = block.rotary.rotary(x, position_ids)  # [N, 1, D]: broadcast over heads
+    cos, sin = rope if rope is not None else rotary_tables(block, x, segments)  # [N, 1, D]: broadcast over heads
     q = q * cos + rotate_half(q) * sin
     k = k * cos + rotate_half(k) * sin
     outs = []
