@@ -29,6 +29,8 @@ from worker.compute import SpanRunner, StepItem
 from worker.metrics import WorkerMetrics
 
 logger = logging.getLogger(__name__)
+#: after refusing a request, keep the stream open this long once the client has sent everything
+REFUSAL_LINGER = 0.1
 
 #: dtypes a tensor may arrive in (wire name → bytes per value once decoded); anything else is refused
 WIRE_DTYPES = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8}
@@ -552,6 +554,9 @@ class BlockHandler(protocol.BlockRPC):
                     budget -= sum(len(t.buffer) for t in message.tensors)
                     if budget < 0:
                         return
+                # the client has sent everything: linger a moment so the refusal reaches it before the stream
+                # closes (CI once saw the p2p stream end with the answer still in flight)
+                await asyncio.sleep(REFUSAL_LINGER)
         except Exception:  # timeout or a broken stream: either way we are done
             return
 
