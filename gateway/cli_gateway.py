@@ -62,6 +62,7 @@ def _add_gateway(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
+    _add_pipeline_flag(p)
     _add_limit_flags(p)
     p.set_defaults(func=_cmd_gateway)
 
@@ -86,8 +87,19 @@ def _add_up(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--ready-timeout", type=float, default=600.0, help="seconds to wait for the workers")
     p.add_argument("--grace", type=float, default=15.0, help="seconds a worker may drain before it is killed")
     p.add_argument("-v", "--verbose", action="store_true", help="echo the workers' logs")
+    _add_pipeline_flag(p)
     _add_limit_flags(p)
     p.set_defaults(func=_cmd_up)
+
+
+def _add_pipeline_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--pipeline-groups",
+        type=int,
+        default=1,
+        help="deal sessions into this many groups that servers batch apart, so consecutive servers of a "
+        "chain compute at the same time (pays when each server has its own machine; 1: off)",
+    )
 
 
 def _add_limit_flags(p: argparse.ArgumentParser) -> None:
@@ -386,7 +398,11 @@ def _cmd_gateway(args: argparse.Namespace, rest: list[str]) -> int:
     stop = threading.Event()
     previous = _installed_signal_handlers(lambda _sig: stop.set())
     backend = SwarmBackend(
-        args.model, peers, model_id=args.model_id or args.model, dht_prefix=args.dht_prefix
+        args.model,
+        peers,
+        model_id=args.model_id or args.model,
+        dht_prefix=args.dht_prefix,
+        pipeline_groups=args.pipeline_groups,
     )
     server = None
     try:
@@ -499,7 +515,9 @@ def _run_up(
             _say(f"error: {failure}")
             return 1
 
-        backend = SwarmBackend(args.model, maddrs, model_id=args.model, dht_prefix=prefix, dht=dht)
+        backend = SwarmBackend(
+            args.model, maddrs, model_id=args.model, dht_prefix=prefix, dht=dht, pipeline_groups=args.pipeline_groups
+        )
         settings = GatewaySettings(
             model=args.model, host=args.host, port=args.port, initial_peers=maddrs, **_limit_settings(args)
         )

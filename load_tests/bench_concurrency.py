@@ -376,7 +376,8 @@ def markdown(report: Mapping[str, Any]) -> str:
         f"# Concurrency sweep: {meta['model']} ({meta['workers']} workers)",
         "",
         f"{meta['max_tokens']} tokens per request (EOS banned: {meta['ban_eos']}; prefix reuse: "
-        f"{meta['affinity']}; server-to-server push: {meta.get('push', False)}; load generator in the gateway's "
+        f"{meta['affinity']}; server-to-server push: {meta.get('push', False)}; "
+        f"pipeline groups: {meta.get('pipeline_groups', 1)}; load generator in the gateway's "
         f"process: {meta.get('loadgen_in_process', True)}), "
         f"{meta['requests_per_stream']} request(s) per stream (at least {meta['min_requests']} per level), "
         "greedy, streaming chat; "
@@ -481,6 +482,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="run the load generator in the gateway's process (default: its own process, like real clients)",
     )
     p.add_argument("--push", action="store_true", help="the gateway's client asks servers to push to each other")
+    p.add_argument(
+        "--pipeline-groups", type=int, default=1,
+        help="the gateway's client deals sessions into this many groups that servers batch apart",
+    )  # fmt: skip
     p.add_argument("--no-ban-eos", dest="ban_eos", action="store_false", help="let requests stop at EOS")
     p.add_argument(
         "--no-affinity", dest="affinity", action="store_false",
@@ -512,7 +517,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             args.workers,
             worker_threads=worker_threads,
             gateway_settings=gateway_settings,
-            client_options={"push": args.push},
+            client_options={"push": args.push, "pipeline_groups": args.pipeline_groups},
             worker_args=["--cpu-kernels", args.cpu_kernels],
         ) as swarm:
             import torch
@@ -543,6 +548,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "ban_eos": args.ban_eos,
             "affinity": args.affinity,
             "push": args.push,
+            "pipeline_groups": args.pipeline_groups,
             "loadgen_in_process": args.loadgen_in_process,
             "levels": args.levels,
             "cpu_count": os.cpu_count(),

@@ -36,6 +36,9 @@ from hivemind.utils.streaming import split_for_streaming
 STREAM_CHUNK_BYTES = 2**20
 #: the largest single inference-stream message the client sends; longer prefills are split into steps
 MAX_STEP_BYTES = 2**21
+#: an inference step may carry ``batch_group`` (an int below this): the client's pipeline group, which servers
+#: batch one at a time (``ClientConfig.pipeline_groups``, worker/batcher.py)
+MAX_PIPELINE_GROUPS = 64
 
 COMPRESSIONS = {
     "none": runtime_pb2.CompressionType.NONE,

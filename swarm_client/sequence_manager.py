@@ -22,6 +22,7 @@ from swarm_client.dht_records import (
     spans_from_records,
 )
 from swarm_client.errors import NoRouteError, PeerError, PeerTimeout
+from swarm_client.protocol import MAX_PIPELINE_GROUPS
 from swarm_client.routing import BanList, RouteHop, find_route, missing_blocks
 
 logger = logging.getLogger(__name__)
@@ -53,6 +54,10 @@ class ClientConfig:
     #: server-to-server push: each server also sends its output straight to the next server of the chain,
     #: which starts computing before the client's own copy arrives (that copy still goes, as a fallback)
     push: bool = False
+    #: pipeline groups: sessions are dealt round-robin into this many groups, and a server batches one group's
+    #: steps at a time, so consecutive servers of a chain compute different groups at once instead of each
+    #: idling while the other computes the one big batch (1: no groups, every session batches with every other)
+    pipeline_groups: int = 1
     ban_base: float = 1.0
     ban_max: float = 60.0
     extra: dict = field(default_factory=dict)
@@ -60,6 +65,10 @@ class ClientConfig:
 
 class SequenceManager:
     def __init__(self, config: ClientConfig, dht: DHT | None = None):
+        if not isinstance(config.pipeline_groups, int) or not 1 <= config.pipeline_groups <= MAX_PIPELINE_GROUPS:
+            raise ValueError(
+                f"pipeline_groups must be an int in [1, {MAX_PIPELINE_GROUPS}], got {config.pipeline_groups!r}"
+            )
         self.config = config
         if dht is None:  # validators: signed records are verified (and unwrapped) on every read
             validators = record_validators(config.dht_prefix, config.num_blocks)
@@ -77,6 +86,14 @@ class SequenceManager:
         self._last_update = 0.0
         self._p2p: P2P | None = None
         self._update_lock: asyncio.Lock | None = None
+        self._sessions_dealt = 0
+
+    def next_batch_group(self) -> int | None:
+        """The pipeline group of a new session (round-robin), or None without groups."""
+        if self.config.pipeline_groups <= 1:
+            return None
+        self._sessions_dealt += 1
+        return (self._sessions_dealt - 1) % self.config.pipeline_groups
 
     # ------------------------------------------------------------------ transport
     async def p2p(self) -> P2P:

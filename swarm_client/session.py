@@ -45,10 +45,12 @@ PUSH_MAX_BYTES = 2**18
 class _ServerSession:
     """One server's stream: open, step at explicit positions, close (optionally keeping the cache)."""
 
-    def __init__(self, manager: SequenceManager, hop: RouteHop, session_id: str):
+    def __init__(self, manager: SequenceManager, hop: RouteHop, session_id: str, batch_group: int | None = None):
         self.manager = manager
         self.hop = hop
         self.session_id = session_id
+        #: the pipeline group sent with every step (``ClientConfig.pipeline_groups``); None: no group
+        self.batch_group = batch_group
         self.position = 0
         self._queue: asyncio.Queue = asyncio.Queue()
         self._responses: AsyncIterator | None = None
@@ -153,6 +155,8 @@ class _ServerSession:
         """One step; ``push_chain`` (the next hops' peer and session ids) asks the server to push its
         output on to the first of them (see ``protocol``)."""
         extra = {} if step_id is None else {"step_id": step_id, "push_chain": push_chain or []}
+        if self.batch_group is not None:
+            extra["batch_group"] = self.batch_group
         request = protocol.make_request(
             [hidden],
             compression=self.manager.config.compression,
@@ -257,6 +261,7 @@ class InferenceSession:
         self.batch_size = batch_size
         self.session_id = session_id or uuid.uuid4().hex
         self.keep_on_close = keep_on_close
+        self.batch_group = manager.next_batch_group()
         self.position = 0
         self.closed = False
         self._hops: list[_ServerSession] = []
@@ -348,7 +353,10 @@ class InferenceSession:
         try:
             for hop in hops:
                 session = _ServerSession(
-                    self.manager, hop, f"{self.session_id}:{hop.start}:{hop.end}:{uuid.uuid4().hex[:8]}"
+                    self.manager,
+                    hop,
+                    f"{self.session_id}:{hop.start}:{hop.end}:{uuid.uuid4().hex[:8]}",
+                    self.batch_group,
                 )
                 opened.append(session)
                 await session.open(self.max_length, self.batch_size, resume=False, timeout=timeout)
@@ -559,7 +567,9 @@ class InferenceSession:
         )
         position = int(state["position"])
         hops = [
-            _ServerSession(manager, RouteHop(h["peer_id"], h["start"], h["end"]), h["server_session_id"])
+            _ServerSession(
+                manager, RouteHop(h["peer_id"], h["start"], h["end"]), h["server_session_id"], session.batch_group
+            )
             for h in state["hops"]
         ]
         try:

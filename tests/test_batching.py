@@ -121,3 +121,46 @@ def test_prefills_share_the_pass_with_decode_steps(runner_and_layout, monkeypatc
         for (ka, va), (kb, vb) in zip(a.layer_kv(), b.layer_kv(), strict=True):
             torch.testing.assert_close(ka[:, :, : a.position], kb[:, :, : b.position], atol=1e-4, rtol=0)
             torch.testing.assert_close(va[:, :, : a.position], vb[:, :, : b.position], atol=1e-4, rtol=0)
+
+
+def test_pipeline_groups_batch_one_group_at_a_time(runner_and_layout):
+    """Steps tagged with two pipeline groups, all pending at once: each batch holds one group's steps (the
+    oldest step's group first), and every output equals the unbatched one."""
+    runner, layout, _ = runner_and_layout
+    sessions = make_sessions(runner, layout, [2, 3, 4, 5, 6, 7, 8, 9], [1] * 8)
+    reference = make_sessions(runner, layout, [2, 3, 4, 5, 6, 7, 8, 9], [1] * 8)
+    for i, cache in enumerate(sessions):
+        cache.batch_group = i % 2
+    seen: list[list[int | None]] = []
+    original = runner.inference_batch
+
+    def recording(items):
+        seen.append([item.cache.batch_group for item in items])
+        return original(items)
+
+    executor = ThreadPoolExecutor(max_workers=1)
+    batcher = StepBatcher(runner, executor)
+    token = torch.randn(1, 1, 64)
+
+    async def run_all():
+        return await asyncio.gather(*(batcher.submit(StepItem(c, token, c.position)) for c in sessions))
+
+    runner.inference_batch = recording
+    try:
+        outs = asyncio.run(run_all())
+    finally:
+        del runner.inference_batch
+        executor.shutdown()
+    assert all(len(set(groups)) == 1 for groups in seen), seen
+    assert sorted(g for groups in seen for g in groups) == [0] * 4 + [1] * 4
+    assert seen[0][0] == 0 and max(len(groups) for groups in seen) > 1
+    for cache, out in zip(reference, outs, strict=True):
+        torch.testing.assert_close(out, runner.inference_step(cache, token, cache.position), atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("groups", [0, -1, 65, 1.5])
+def test_pipeline_groups_out_of_range_are_refused_before_anything_starts(groups):
+    from swarm_client.sequence_manager import ClientConfig, SequenceManager
+
+    with pytest.raises(ValueError, match="pipeline_groups"):
+        SequenceManager(ClientConfig([], "x", 4, pipeline_groups=groups))

@@ -8,12 +8,17 @@ import pytest
 import torch
 
 from swarm_client import AutoDistributedModelForCausalLM, runtime
+from swarm_client.errors import InvalidInputError
+from swarm_client.routing import RouteHop
+from swarm_client.session import _ServerSession
 from tests.swarm_fixtures import swarm
 
 pytestmark = pytest.mark.slow
 
 
-def test_concurrent_greedy_sessions_are_batched_and_exact(tiny_llama, local_llama):
+@pytest.mark.parametrize("pipeline_groups", [1, 2])
+def test_concurrent_greedy_sessions_are_batched_and_exact(tiny_llama, local_llama, pipeline_groups):
+    """With ``pipeline_groups=2`` the servers batch each half of the sessions apart; outputs stay exact."""
     prompts = [
         torch.randint(0, 1000, (1, 3 + i), generator=torch.Generator().manual_seed(i)) for i in range(8)
     ]
@@ -21,7 +26,9 @@ def test_concurrent_greedy_sessions_are_batched_and_exact(tiny_llama, local_llam
         local_llama.generate(p, max_new_tokens=12, do_sample=False)[0, p.shape[1] :].tolist() for p in prompts
     ]
     with swarm(tiny_llama, ["0:2", "2:4"]) as s:
-        model = AutoDistributedModelForCausalLM.from_pretrained(tiny_llama, initial_peers=[s.initial_peers])
+        model = AutoDistributedModelForCausalLM.from_pretrained(
+            tiny_llama, initial_peers=[s.initial_peers], pipeline_groups=pipeline_groups
+        )
         try:
 
             async def decode(prompt):
@@ -45,5 +52,20 @@ def test_concurrent_greedy_sessions_are_batched_and_exact(tiny_llama, local_llam
             assert got == expected
             infos = [runtime.run(model.manager.info(w.peer_id)) for w in s.workers]
             assert max(info["max_batch_seen"] for info in infos) > 1
+            if pipeline_groups > 1:
+                # a batch never mixes groups: at most the 4 sessions of one group
+                assert max(info["max_batch_seen"] for info in infos) <= 4
+                # a server refuses a group number out of range, and keeps serving
+                bad = _ServerSession(model.manager, RouteHop(s.workers[0].peer_id, 0, 2), "bad-group", 10**6)
+
+                async def step_bad_group():
+                    try:
+                        await bad.open(8, 1, resume=False, timeout=10)
+                        await bad.step(torch.zeros(1, 1, model.config.hidden_size), 0, 10)
+                    finally:
+                        await bad.close()
+
+                with pytest.raises(InvalidInputError, match="batch_group"):
+                    runtime.run(step_bad_group())
         finally:
             model.shutdown()

@@ -5,6 +5,12 @@ and then run together. Before a batch starts, it may also wait a little for sess
 predicted to arrive within a wait that the batching saves (worker/batch_policy.py), so streams that
 come back a few milliseconds apart do not split into many small batches. A single user never waits:
 with one open stream nobody is expected.
+
+Pipeline groups: a client may tag its sessions' steps with a ``batch_group`` (``ClientConfig.pipeline_groups``).
+A batch then takes the steps of one group only (the group of the oldest pending step) and waits only for
+that group's sessions, so in a chain of servers one server computes group A while the next computes group B,
+instead of both computing the one big batch in turn and each idling half the time. Untagged steps form one
+group of their own.
 """
 
 from __future__ import annotations
@@ -45,6 +51,8 @@ class StepBatcher:
         self.waits = 0
         self.waited_seconds = 0.0
         self._pending: list[tuple[StepItem, asyncio.Future]] = []
+        #: pipeline group of every session seen (None: untagged), so waits are for the batch's own group
+        self._groups: dict[str, int | None] = {}
         self._worker: asyncio.Task | None = None
         self.batches = 0
         self.batched_items = 0
@@ -53,6 +61,7 @@ class StepBatcher:
         self.compute_seconds: deque[float] = deque(maxlen=512)
 
     async def submit(self, item: StepItem) -> torch.Tensor:
+        self._groups[item.cache.session_id] = item.cache.batch_group
         if self.runner.can_batch(item) and item.hidden.shape[1] == 1:  # decode steps set the session's pace
             self.arrivals.arrived(item.cache.session_id, item.hidden.shape[0])
         small = _tokens(item) <= 8  # never block the loop on a long prefill
@@ -77,6 +86,7 @@ class StepBatcher:
     def forget(self, session_id: str) -> None:
         """The session's stream ended: stop expecting its steps."""
         self.arrivals.forget(session_id)
+        self._groups.pop(session_id, None)
 
     def _idle(self) -> bool:
         return self._worker is None or self._worker.done()
@@ -101,19 +111,23 @@ class StepBatcher:
             "batch_wait_seconds": round(self.waited_seconds, 3),
         }
 
-    async def _gather(self) -> None:
-        """Hold the pending steps while waiting for the sessions due soon pays for itself."""
+    async def _gather(self, group: int | None) -> None:
+        """Hold ``group``'s pending steps while waiting for its sessions due soon pays for itself."""
         if self.max_wait <= 0:
             return
         loop = asyncio.get_running_loop()
         start = loop.time()
         while len(self._pending) < self.max_batch:
             now = time.monotonic()
-            batchable = [item for item, _ in self._pending if self.runner.can_batch(item)]
+            batchable = [
+                item for item, _ in self._pending if self.runner.can_batch(item) and item.cache.batch_group == group
+            ]
             if not batchable:
                 return
-            pending_ids = {item.cache.session_id for item, _ in self._pending}
-            expected = self.arrivals.expected(pending_ids, now)
+            # not expected here: sessions already pending, and those of other groups
+            skip = {item.cache.session_id for item, _ in self._pending}
+            skip.update(session_id for session_id, g in self._groups.items() if g != group)
+            expected = self.arrivals.expected(skip, now)
             budget = self.max_wait - (loop.time() - start)
             wait = plan_wait(self.costs, expected, sum(_tokens(i) for i in batchable), now, budget)
             if wait <= 0:
@@ -132,8 +146,13 @@ class StepBatcher:
     async def _drain(self) -> None:
         loop = asyncio.get_running_loop()
         while self._pending:
-            await self._gather()
-            batch, self._pending = self._pending[: self.max_batch], self._pending[self.max_batch :]
+            group = self._pending[0][0].cache.batch_group  # the oldest pending step's group goes first
+            await self._gather(group)
+            batch, rest = [], []
+            for pending in self._pending:
+                mine = pending[0].cache.batch_group == group and len(batch) < self.max_batch
+                (batch if mine else rest).append(pending)
+            self._pending = rest
             batch = [(item, fut) for item, fut in batch if not fut.cancelled()]
             if not batch:
                 continue

@@ -45,6 +45,8 @@ class SessionCache:
     owner: str | None = None
     #: which of the server's blocks (relative slice) this session runs through
     blocks: slice = field(default_factory=lambda: slice(None))
+    #: the client's pipeline group (worker/batcher.py batches one group at a time); None: no group
+    batch_group: int | None = None
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
     @property

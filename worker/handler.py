@@ -23,6 +23,7 @@ from hivemind.utils.streaming import combine_from_streaming
 
 from swarm_client import protocol
 from swarm_client.errors import InvalidInputError, LengthExceededError, RemoteError, error_to_wire
+from swarm_client.protocol import MAX_PIPELINE_GROUPS
 from worker.batcher import StepBatcher
 from worker.cache import CacheManager, SessionCache
 from worker.compute import SpanRunner, StepItem
@@ -436,6 +437,11 @@ class BlockHandler(protocol.BlockRPC):
             raise InvalidInputError(
                 f"position {position!r} must be an int in [0, {cache.position}] (cached tokens)"
             )
+        group = metadata.get("batch_group")
+        if group is not None:
+            if not isinstance(group, int) or isinstance(group, bool) or not 0 <= group < MAX_PIPELINE_GROUPS:
+                raise InvalidInputError(f"batch_group must be an int in [0, {MAX_PIPELINE_GROUPS}), got {group!r}")
+            cache.batch_group = group
         length = hidden.shape[1]
         if position + length > cache.max_length:
             raise LengthExceededError(
