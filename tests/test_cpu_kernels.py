@@ -159,3 +159,20 @@ def test_packed_blocks_match_plain_blocks(kind, runner_and_layout):  # noqa: F81
     grad_packed, _ = packed.backward(hidden, grad_out)
     grad_plain, _ = runner.backward(hidden, grad_out)
     torch.testing.assert_close(grad_packed, grad_plain, atol=1e-4, rtol=0)
+
+
+def test_command_lines_offer_exactly_the_kernels_there_are():
+    """``swarmserve worker`` and the benchmark spell the choices out (no torch import at parse time)."""
+    from gateway.cli import build_parser
+    from load_tests.bench_concurrency import parse_args
+    from worker.cpu_kernels import CPU_KERNELS
+
+    worker = build_parser()._subparsers._group_actions[0].choices["worker"]  # type: ignore[union-attr]
+    (option,) = [a for a in worker._actions if "--cpu-kernels" in a.option_strings]
+    assert tuple(option.choices) == CPU_KERNELS
+    bench = parse_args([])
+    assert bench.cpu_kernels == "auto"
+    for kind in CPU_KERNELS:
+        assert parse_args(["--cpu-kernels", kind]).cpu_kernels == kind
+    with pytest.raises(SystemExit):
+        parse_args(["--cpu-kernels", "fast"])

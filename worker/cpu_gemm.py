@@ -40,6 +40,7 @@ _lock = threading.Lock()
 _library: ctypes.CDLL | None = None
 _load_error: str | None = None
 _pool: ThreadPoolExecutor | None = None
+_pool_threads = 0
 
 
 def cpu_has_avx2_fma() -> bool:
@@ -100,8 +101,7 @@ def load() -> ctypes.CDLL | None:
             fn.restype = None
             _library = lib
         except Exception as exc:
-            _load_error = f"{type(exc).__name__}: {exc}"
-            logger.warning("panel GEMM kernel unavailable (%s); using oneDNN instead", _load_error)
+            _load_error = f"{type(exc).__name__}: {exc}"  # the caller says what it falls back to
         return _library
 
 
@@ -125,10 +125,12 @@ def unpack(panels: torch.Tensor, out_features: int) -> torch.Tensor:
 
 
 def _executor(threads: int) -> ThreadPoolExecutor:
-    global _pool
+    """A pool of ``threads - 1`` helpers (the caller's thread computes one share itself)."""
+    global _pool, _pool_threads
     with _lock:
-        if _pool is None or _pool._max_workers < threads - 1:
+        if _pool is None or _pool_threads < threads - 1:
             _pool = ThreadPoolExecutor(max_workers=threads - 1, thread_name_prefix="panel-gemm")
+            _pool_threads = threads - 1
         return _pool
 
 

@@ -59,60 +59,68 @@ def resolve_cpu_kernels(requested: str, device: torch.device, dtype: torch.dtype
     return "onednn" if packing_supported(device, dtype) else "torch"
 
 
-class PanelLinear(nn.Module):
-    """``nn.Linear`` with its weight held as the panel kernel's panels (the dense weight is not kept)."""
+class _PackedProjection(nn.Module):
+    """What both packings share: ``nn.Linear``'s interface over a weight held in a kernel's own layout (the
+    dense weight is not kept). Inference on float32 rows goes to ``_rows``; anything that needs gradients,
+    or another dtype, runs ``F.linear`` on a dense copy, so fine-tuning works unchanged."""
 
     def __init__(self, linear: nn.Linear):
         super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.bias = linear.bias.detach().float().contiguous() if linear.bias is not None else None
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """A dense copy, for code that reads the weight directly (and for gradients)."""
+        raise NotImplementedError
+
+    def _rows(self, rows: torch.Tensor) -> torch.Tensor:
+        """``rows`` [M, in] float32, contiguous → [M, out]."""
+        raise NotImplementedError
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype != torch.float32 or (torch.is_grad_enabled() and x.requires_grad):
+            return F.linear(x, self.weight.to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
+        out = self._rows(x.reshape(-1, self.in_features).contiguous())
+        return out.view(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+class PanelLinear(_PackedProjection):
+    """The projection on the panel kernel's 16-column panels (worker/cpu_gemm.py)."""
+
+    def __init__(self, linear: nn.Linear):
         if cpu_gemm.load() is None:
             raise RuntimeError(f"panel kernel unavailable: {cpu_gemm.load_error()}")
-        self.in_features, self.out_features = linear.in_features, linear.out_features
-        with torch.no_grad():
-            self.panels = cpu_gemm.pack(linear.weight)
-            self.bias = linear.bias.detach().float().contiguous() if linear.bias is not None else None
+        super().__init__(linear)
+        self.panels = cpu_gemm.pack(linear.weight)
 
     @property
     def weight(self) -> torch.Tensor:
-        """A dense copy, for code that reads the weight directly (and for gradients)."""
         return cpu_gemm.unpack(self.panels, self.out_features)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype != torch.float32 or (torch.is_grad_enabled() and x.requires_grad):
-            return F.linear(x, self.weight.to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
-        rows = x.reshape(-1, self.in_features).contiguous()
-        out = cpu_gemm.linear(rows, self.panels, self.out_features, self.bias)
-        return out.view(*x.shape[:-1], self.out_features)
-
-    def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+    def _rows(self, rows: torch.Tensor) -> torch.Tensor:
+        return cpu_gemm.linear(rows, self.panels, self.out_features, self.bias)
 
 
-class PackedLinear(nn.Module):
-    """``nn.Linear`` with its weight held in oneDNN's layout (the dense weight is not kept)."""
+class PackedLinear(_PackedProjection):
+    """The projection on weights in oneDNN's layout."""
 
     def __init__(self, linear: nn.Linear):
-        super().__init__()
-        self.in_features, self.out_features = linear.in_features, linear.out_features
+        super().__init__(linear)
         with torch.no_grad():
             self.packed = linear.weight.detach().contiguous().to_mkldnn()
-            bias = linear.bias.detach().contiguous() if linear.bias is not None else None
-        self.bias = bias
-        self._packed_bias = bias.to_mkldnn() if bias is not None else torch.zeros(self.out_features).to_mkldnn()
+        bias = self.bias if self.bias is not None else torch.zeros(self.out_features)
+        self._packed_bias = bias.to_mkldnn()
 
     @property
     def weight(self) -> torch.Tensor:
-        """A dense copy, for code that reads the weight directly (and for gradients)."""
         return self.packed.to_dense()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype != torch.float32 or (torch.is_grad_enabled() and x.requires_grad):
-            return F.linear(x, self.weight.to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
-        rows = x.reshape(-1, self.in_features).contiguous()
-        out = torch._C._nn.mkldnn_linear(rows.to_mkldnn(), self.packed, self._packed_bias).to_dense()
-        return out.view(*x.shape[:-1], self.out_features)
-
-    def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+    def _rows(self, rows: torch.Tensor) -> torch.Tensor:
+        return torch._C._nn.mkldnn_linear(rows.to_mkldnn(), self.packed, self._packed_bias).to_dense()
 
 
 def pack_linears(block: nn.Module, kind: str = "onednn") -> int:
