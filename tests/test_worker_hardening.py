@@ -277,12 +277,13 @@ def test_garbage_and_session_floods_leave_a_legitimate_session_intact(setup, loc
             # 3. floods: one peer hits the per-peer cap, the next one the server's total
             opened_a, errors_a = runtime.run(flood(attackers[0], peer, "a", FLOOD, advance))
             assert len(opened_a) == PER_PEER and len(errors_a) == FLOOD - PER_PEER
-            assert all(isinstance(e, CacheExhaustedError) and "one peer" in str(e) for e in errors_a)
+            others = [e for e in errors_a if not (isinstance(e, CacheExhaustedError) and "one peer" in str(e))]
+            assert not others, {f"{type(e).__name__}: {e}" for e in others}
             opened_b, errors_b = runtime.run(flood(attackers[1], peer, "b", FLOOD, advance))
             assert len(opened_b) == TOTAL - PER_PEER - 1  # the legitimate session holds one
-            assert all(
-                isinstance(e, CacheExhaustedError) and f"maximum of {TOTAL}" in str(e) for e in errors_b
-            )
+            total_cap = f"maximum of {TOTAL}"
+            others = [e for e in errors_b if not (isinstance(e, CacheExhaustedError) and total_cap in str(e))]
+            assert not others, {f"{type(e).__name__}: {e}" for e in others}
             kept = opened_a + opened_b
             stats = info(model, peer)
             assert stats["sessions_attached"] == TOTAL and stats["accepting"]
