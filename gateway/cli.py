@@ -197,10 +197,6 @@ def main(argv: list[str] | None = None) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
-    if args.command in ("worker", "gateway", "up"):
-        from swarm_client.runtime import tune_for_serving
-
-        tune_for_serving()
     return int(args.func(args, rest) or 0)
 
 

@@ -522,10 +522,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         ) as swarm:
             import torch
 
-            from swarm_client.runtime import tune_for_serving
-
             torch.set_num_threads(args.gateway_threads)
-            tune_for_serving()  # as `swarmserve gateway` does (its workers are `swarmserve worker` processes)
             results = asyncio.run(sweep(swarm, args))
     finally:
         shutil.rmtree(workdir, ignore_errors=True)

@@ -7,8 +7,6 @@ async code (the gateway) can ``await`` them through ``arun`` without blocking it
 from __future__ import annotations
 
 import asyncio
-import os
-import sys
 import threading
 from collections.abc import Coroutine
 from typing import Any, TypeVar
@@ -17,24 +15,6 @@ T = TypeVar("T")
 
 _lock = threading.Lock()
 _loop: asyncio.AbstractEventLoop | None = None
-
-
-#: GIL switch interval of serving processes (CPython's default is 5 ms); ``SWARMSERVE_SWITCH_INTERVAL`` overrides
-SERVING_SWITCH_INTERVAL = 0.0005
-
-
-def tune_for_serving() -> float:
-    """Shorten the GIL switch interval of a serving process (worker, gateway) and return it.
-
-    Such a process runs an event-loop thread next to compute or engine threads. A thread that wants the GIL
-    back (a message to hand on, a kernel that returned) waits up to a whole switch interval behind another
-    thread's Python, and a decode step crosses threads several times. Measured with 8 streams through a
-    2-worker swarm (medium model, 2 cores): 0.5 ms gave +7–9 % tokens/s over the default in three
-    back-to-back pairs, and a single stream was no slower.
-    """
-    interval = float(os.environ.get("SWARMSERVE_SWITCH_INTERVAL", SERVING_SWITCH_INTERVAL))
-    sys.setswitchinterval(interval)
-    return interval
 
 
 def get_loop() -> asyncio.AbstractEventLoop:
