@@ -82,6 +82,21 @@ def test_plan_counts_the_saving_of_the_steps_that_stay_merged():
     assert plan_wait(costs, [(1.001, 1)], pending_rows=1, now=1.0, max_wait=1.0, recurring=4) == 0.0
 
 
+class FixedCosts(BatchCosts):
+    """A cost profile the batcher cannot retune: the policy under test, not this machine's timing noise.
+
+    (A loaded CI machine once timed a real one-row batch slow enough to make batching look worthwhile.)
+    """
+
+    def __init__(self, profile: dict[int, float]) -> None:
+        super().__init__()
+        for rows, seconds in profile.items():
+            super().observe(rows, seconds)
+
+    def observe(self, rows: int, seconds: float) -> None:
+        pass
+
+
 def _staggered_run(runner, layout, costs: BatchCosts) -> tuple[StepBatcher, list, list]:
     """Eight sessions with a 0.5 s step period submit one step each, 1 ms apart."""
     sessions = make_sessions(runner, layout, [2, 3, 4, 5, 6, 7, 8, 9], [1] * 8)
@@ -110,9 +125,7 @@ def _staggered_run(runner, layout, costs: BatchCosts) -> tuple[StepBatcher, list
 
 def test_batcher_waits_for_staggered_sessions_when_batching_pays(runner_and_layout):  # noqa: F811
     runner, layout, _ = runner_and_layout
-    costs = BatchCosts()
-    costs.observe(1, 1.0)
-    costs.observe(8, 1.1)  # a GPU-like profile: eight rows cost about one
+    costs = FixedCosts({1: 1.0, 8: 1.1})  # a GPU-like profile: eight rows cost about one
     batcher, outs, expected = _staggered_run(runner, layout, costs)
     assert batcher.batches == 1 and batcher.max_batch_seen == 8
     assert batcher.waits >= 1
@@ -122,9 +135,7 @@ def test_batcher_waits_for_staggered_sessions_when_batching_pays(runner_and_layo
 
 def test_batcher_does_not_wait_when_batching_saves_nothing(runner_and_layout):  # noqa: F811
     runner, layout, _ = runner_and_layout
-    costs = BatchCosts()
-    for rows in (1, 2, 8):
-        costs.observe(rows, 0.01 * rows)  # linear: a batch costs what its rows cost alone
+    costs = FixedCosts({rows: 0.01 * rows for rows in (1, 2, 8)})  # linear: a batch costs its rows alone
     batcher, outs, expected = _staggered_run(runner, layout, costs)
     assert batcher.waits == 0
     assert batcher.batches > 1  # the first step started alone instead of waiting for the others
