@@ -62,7 +62,7 @@ def _add_gateway(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
-    _add_pipeline_flag(p)
+    _add_pipeline_flags(p)
     _add_limit_flags(p)
     p.set_defaults(func=_cmd_gateway)
 
@@ -87,18 +87,25 @@ def _add_up(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--ready-timeout", type=float, default=600.0, help="seconds to wait for the workers")
     p.add_argument("--grace", type=float, default=15.0, help="seconds a worker may drain before it is killed")
     p.add_argument("-v", "--verbose", action="store_true", help="echo the workers' logs")
-    _add_pipeline_flag(p)
+    _add_pipeline_flags(p)
     _add_limit_flags(p)
     p.set_defaults(func=_cmd_up)
 
 
-def _add_pipeline_flag(p: argparse.ArgumentParser) -> None:
+def _add_pipeline_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--pipeline-groups",
         type=int,
         default=1,
         help="deal sessions into this many groups that servers batch apart, so consecutive servers of a "
         "chain compute at the same time (pays when each server has its own machine; 1: off)",
+    )
+    p.add_argument(
+        "--no-step-bundles",
+        dest="step_bundles",
+        action="store_false",
+        help="send each session's steps on its own stream (default: the steps of all sessions bound for one "
+        "server travel as one message per hop, where the server supports it)",
     )
 
 
@@ -403,6 +410,7 @@ def _cmd_gateway(args: argparse.Namespace, rest: list[str]) -> int:
         model_id=args.model_id or args.model,
         dht_prefix=args.dht_prefix,
         pipeline_groups=args.pipeline_groups,
+        step_bundles=args.step_bundles,
     )
     server = None
     try:
@@ -516,7 +524,13 @@ def _run_up(
             return 1
 
         backend = SwarmBackend(
-            args.model, maddrs, model_id=args.model, dht_prefix=prefix, dht=dht, pipeline_groups=args.pipeline_groups
+            args.model,
+            maddrs,
+            model_id=args.model,
+            dht_prefix=prefix,
+            dht=dht,
+            pipeline_groups=args.pipeline_groups,
+            step_bundles=args.step_bundles,
         )
         settings = GatewaySettings(
             model=args.model, host=args.host, port=args.port, initial_peers=maddrs, **_limit_settings(args)

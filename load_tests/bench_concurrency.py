@@ -256,6 +256,12 @@ def _batch_delta(before: Sequence[Mapping], after: Sequence[Mapping]) -> list[di
                 "mean_batch": round(steps / batches, 3) if batches else None,
                 "max_batch_seen": int(a["max_batch_seen"]),
                 "compute_ms_median": a.get("compute_ms_median"),
+                "batch_waits": int(a.get("batch_waits", 0)) - int(b.get("batch_waits", 0)),
+                "wait_ms_per_batch": round(
+                    1000 * (float(a.get("batch_wait_seconds", 0)) - float(b.get("batch_wait_seconds", 0))) / batches, 3
+                )
+                if batches
+                else None,
             }
         )
     return rows
@@ -377,7 +383,8 @@ def markdown(report: Mapping[str, Any]) -> str:
         "",
         f"{meta['max_tokens']} tokens per request (EOS banned: {meta['ban_eos']}; prefix reuse: "
         f"{meta['affinity']}; server-to-server push: {meta.get('push', False)}; "
-        f"pipeline groups: {meta.get('pipeline_groups', 1)}; load generator in the gateway's "
+        f"pipeline groups: {meta.get('pipeline_groups', 1)}; step bundles: {meta.get('step_bundles', False)}; "
+        f"load generator in the gateway's "
         f"process: {meta.get('loadgen_in_process', True)}), "
         f"{meta['requests_per_stream']} request(s) per stream (at least {meta['min_requests']} per level), "
         "greedy, streaming chat; "
@@ -486,6 +493,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--pipeline-groups", type=int, default=1,
         help="the gateway's client deals sessions into this many groups that servers batch apart",
     )  # fmt: skip
+    p.add_argument(
+        "--no-step-bundles", dest="step_bundles", action="store_false",
+        help="each session's steps on its own stream (default: one bundled message per server and hop)",
+    )  # fmt: skip
     p.add_argument("--no-ban-eos", dest="ban_eos", action="store_false", help="let requests stop at EOS")
     p.add_argument(
         "--no-affinity", dest="affinity", action="store_false",
@@ -517,7 +528,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             args.workers,
             worker_threads=worker_threads,
             gateway_settings=gateway_settings,
-            client_options={"push": args.push, "pipeline_groups": args.pipeline_groups},
+            client_options={
+                "push": args.push,
+                "pipeline_groups": args.pipeline_groups,
+                "step_bundles": args.step_bundles,
+            },
             worker_args=["--cpu-kernels", args.cpu_kernels],
         ) as swarm:
             import torch
@@ -546,6 +561,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "affinity": args.affinity,
             "push": args.push,
             "pipeline_groups": args.pipeline_groups,
+            "step_bundles": args.step_bundles,
             "loadgen_in_process": args.loadgen_in_process,
             "levels": args.levels,
             "cpu_count": os.cpu_count(),

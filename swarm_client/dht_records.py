@@ -62,12 +62,15 @@ class ServerInfo(BaseModel):
     dtype: str = "float32"
     public_name: str | None = None
     addrs: tuple[str, ...] = ()
+    #: optional protocol features the server serves (e.g. ``protocol.STEP_BUNDLES``); older servers: none
+    features: tuple[str, ...] = ()
 
     def to_wire(self) -> dict:
         data = self.model_dump(mode="json")
         data["state"] = int(self.state)
         data["throughput"] = float(self.throughput)
         data["addrs"] = list(self.addrs)
+        data["features"] = list(self.features)
         return data
 
     @classmethod

@@ -17,6 +17,16 @@ Inference stream (``rpc_inference``), one bidirectional stream per server span:
     {"session_id", "step_id", "position", "push_chain": rest}), which runs it at once. The client still
     sends every hop its own copy; a server answers each step_id once,
     echoing it in the response, so a client skips answers whose step_id is not the one it waits for.
+Bundled steps (``rpc_steps``, servers announcing the ``step_bundles`` feature): one long-lived stream per
+client and server carries the decode steps of all the client's sessions on that server, so N concurrent
+sessions cost one message per hop each way instead of N:
+    client → tensors [h_1, ..., h_n], {"bundle_id": b, "steps": [{"session_id", "position",
+             "batch_group"?, "output_hidden_states"?}, ...], "compression_out"?}
+    server → tensors [out_i for each step that succeeded, in order], {"bundle_id": b,
+             "steps": [{"position": p_i + T_i} or {"error": {...}}, ...]}   (or {"bundle_id", "error"})
+    Each session must be open on the server through its own ``rpc_inference`` stream, opened by the same
+    peer; that stream still opens, rolls back, keeps alive and closes the session. Bundles run concurrently
+    and are answered as they finish (match answers by ``bundle_id``).
 Forward / backward (``rpc_forward`` / ``rpc_backward``) are stream → stream so large tensors are chunked.
 """
 
@@ -39,6 +49,11 @@ MAX_STEP_BYTES = 2**21
 #: an inference step may carry ``batch_group`` (an int below this): the client's pipeline group, which servers
 #: batch one at a time (``ClientConfig.pipeline_groups``, worker/batcher.py)
 MAX_PIPELINE_GROUPS = 64
+#: the most steps one ``rpc_steps`` message may carry, and the most bundles one stream may have in flight
+MAX_BUNDLE_STEPS = 256
+MAX_BUNDLES_IN_FLIGHT = 64
+#: feature a server announces (``ServerInfo.features``) when it serves ``rpc_steps``
+STEP_BUNDLES = "step_bundles"
 
 COMPRESSIONS = {
     "none": runtime_pb2.CompressionType.NONE,
@@ -150,6 +165,12 @@ class BlockRPC(ServicerBase):
         yield  # pragma: no cover
 
     async def rpc_push(
+        self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
+    ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
+        raise NotImplementedError
+        yield  # pragma: no cover
+
+    async def rpc_steps(
         self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
     ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
         raise NotImplementedError

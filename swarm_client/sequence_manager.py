@@ -24,6 +24,7 @@ from swarm_client.dht_records import (
 from swarm_client.errors import NoRouteError, PeerError, PeerTimeout
 from swarm_client.protocol import MAX_PIPELINE_GROUPS
 from swarm_client.routing import BanList, RouteHop, find_route, missing_blocks
+from swarm_client.step_bundles import StepBundler
 
 logger = logging.getLogger(__name__)
 
@@ -58,6 +59,9 @@ class ClientConfig:
     #: steps at a time, so consecutive servers of a chain compute different groups at once instead of each
     #: idling while the other computes the one big batch (1: no groups, every session batches with every other)
     pipeline_groups: int = 1
+    #: bundled steps: the steps of all sessions bound for one server in the same event-loop iteration travel
+    #: as one message each way (``swarm_client.step_bundles``), where the server announces the feature
+    step_bundles: bool = True
     ban_base: float = 1.0
     ban_max: float = 60.0
     extra: dict = field(default_factory=dict)
@@ -87,6 +91,7 @@ class SequenceManager:
         self._p2p: P2P | None = None
         self._update_lock: asyncio.Lock | None = None
         self._sessions_dealt = 0
+        self._bundlers: dict[str, StepBundler] = {}
 
     def next_batch_group(self) -> int | None:
         """The pipeline group of a new session (round-robin), or None without groups."""
@@ -94,6 +99,18 @@ class SequenceManager:
             return None
         self._sessions_dealt += 1
         return (self._sessions_dealt - 1) % self.config.pipeline_groups
+
+    def step_bundler(self, peer_id: str) -> StepBundler | None:
+        """The step bundle stream to ``peer_id``, if bundles are on and the server announces them."""
+        if not self.config.step_bundles:
+            return None
+        span = self.spans.get(peer_id)
+        if span is None or protocol.STEP_BUNDLES not in span.server_info.features:
+            return None
+        bundler = self._bundlers.get(peer_id)
+        if bundler is None:
+            bundler = self._bundlers[peer_id] = StepBundler(self, peer_id)
+        return bundler
 
     # ------------------------------------------------------------------ transport
     async def p2p(self) -> P2P:
@@ -176,6 +193,17 @@ class SequenceManager:
         A P2P client left open is collected later with a pending connection task, after its loop is gone
         ("Task was destroyed but it is pending", errors raised from hivemind's ``__del__``)."""
         p2p, self._p2p = self._p2p, None
+        bundlers, self._bundlers = list(self._bundlers.values()), {}
+        if bundlers:
+
+            async def close_bundlers() -> None:
+                await asyncio.gather(*(b.close() for b in bundlers), return_exceptions=True)
+
+            with contextlib.suppress(Exception):
+                if runtime.on_io_loop():
+                    runtime.get_loop().create_task(close_bundlers())
+                else:
+                    runtime.run(close_bundlers(), timeout=5)
         if p2p is not None:
             with contextlib.suppress(Exception):
                 if runtime.on_io_loop():

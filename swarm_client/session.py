@@ -40,6 +40,8 @@ logger = logging.getLogger(__name__)
 CALLER_ERRORS = (InvalidInputError, LengthExceededError)
 #: steps larger than this are not pushed server to server (a push is one unary message; prefills are rare)
 PUSH_MAX_BYTES = 2**18
+#: steps up to this size travel in step bundles (decode steps); larger ones (prefills) on their own stream
+BUNDLE_MAX_BYTES = 2**18
 
 
 class _ServerSession:
@@ -105,6 +107,10 @@ class _ServerSession:
         """Send ``request`` and return its answer. With ``step_id``, answers to other steps (a pushed copy
         of a step the client later redid elsewhere) are skipped."""
         self._queue.put_nowait(request)
+        return await self._answer(timeout, step_id)
+
+    async def _answer(self, timeout: float, step_id: str | None = None) -> tuple[list[torch.Tensor], dict]:
+        """The answer to the step in flight, from this stream or from a step bundle (``step_bundles``)."""
         deadline = time.monotonic() + timeout
         while True:
             response = await self._next_response(max(deadline - time.monotonic(), 0.001))
@@ -116,13 +122,16 @@ class _ServerSession:
                 raise PeerError(
                     f"server {self.hop.peer_id} stream failed: {response}", self.hop.peer_id
                 ) from response
-            metadata = protocol.unpack_metadata(response.metadata)
+            if isinstance(response, tuple):  # delivered by a step bundle, already unpacked
+                serialized, metadata = response
+            else:
+                serialized, metadata = response.tensors, protocol.unpack_metadata(response.metadata)
             answered = metadata.get("step_id")
             if step_id is None or answered is None or answered == step_id:
                 break
         if "error" in metadata:
             raise error_from_wire(metadata["error"], peer_id=self.hop.peer_id)
-        return [protocol.deserialize(t) for t in response.tensors], metadata
+        return [protocol.deserialize(t) for t in serialized], metadata
 
     async def open(self, max_length: int, batch_size: int, resume: bool, timeout: float) -> int:
         stub = await self.manager.stub(self.hop.peer_id)
@@ -157,15 +166,26 @@ class _ServerSession:
         extra = {} if step_id is None else {"step_id": step_id, "push_chain": push_chain or []}
         if self.batch_group is not None:
             extra["batch_group"] = self.batch_group
-        request = protocol.make_request(
-            [hidden],
-            compression=self.manager.config.compression,
-            position=position,
-            output_hidden_states=output_hidden_states,
-            compression_out=self.manager.config.compression,
-            **extra,
-        )
-        tensors, metadata = await self._exchange(request, timeout, step_id)
+        compression = self.manager.config.compression
+        bundler = None
+        if step_id is None and hidden.numel() * hidden.element_size() <= BUNDLE_MAX_BYTES:
+            bundler = self.manager.step_bundler(self.hop.peer_id)
+        if bundler is not None:  # one message with the other sessions' steps to this server
+            step = {"session_id": self.session_id, "position": position, **extra}
+            if output_hidden_states:
+                step["output_hidden_states"] = True
+            bundler.submit(self._inbox, protocol.serialize(hidden, compression), step)
+            tensors, metadata = await self._answer(timeout)
+        else:
+            request = protocol.make_request(
+                [hidden],
+                compression=compression,
+                position=position,
+                output_hidden_states=output_hidden_states,
+                compression_out=compression,
+                **extra,
+            )
+            tensors, metadata = await self._exchange(request, timeout, step_id)
         expected = (self.hop.end - self.hop.start, *hidden.shape) if output_hidden_states else tuple(hidden.shape)
         if len(tensors) != 1 or tuple(tensors[0].shape) != expected:
             got = [tuple(t.shape) for t in tensors]

@@ -16,9 +16,10 @@ from tests.swarm_fixtures import swarm
 pytestmark = pytest.mark.slow
 
 
-@pytest.mark.parametrize("pipeline_groups", [1, 2])
-def test_concurrent_greedy_sessions_are_batched_and_exact(tiny_llama, local_llama, pipeline_groups):
-    """With ``pipeline_groups=2`` the servers batch each half of the sessions apart; outputs stay exact."""
+@pytest.mark.parametrize(("pipeline_groups", "step_bundles"), [(1, True), (2, True), (1, False)])
+def test_concurrent_greedy_sessions_are_batched_and_exact(tiny_llama, local_llama, pipeline_groups, step_bundles):
+    """With ``pipeline_groups=2`` the servers batch each half of the sessions apart; with step bundles the
+    sessions' steps to one server travel together in one message per hop; outputs stay exact either way."""
     prompts = [
         torch.randint(0, 1000, (1, 3 + i), generator=torch.Generator().manual_seed(i)) for i in range(8)
     ]
@@ -27,7 +28,7 @@ def test_concurrent_greedy_sessions_are_batched_and_exact(tiny_llama, local_llam
     ]
     with swarm(tiny_llama, ["0:2", "2:4"]) as s:
         model = AutoDistributedModelForCausalLM.from_pretrained(
-            tiny_llama, initial_peers=[s.initial_peers], pipeline_groups=pipeline_groups
+            tiny_llama, initial_peers=[s.initial_peers], pipeline_groups=pipeline_groups, step_bundles=step_bundles
         )
         try:
 
@@ -52,6 +53,12 @@ def test_concurrent_greedy_sessions_are_batched_and_exact(tiny_llama, local_llam
             assert got == expected
             infos = [runtime.run(model.manager.info(w.peer_id)) for w in s.workers]
             assert max(info["max_batch_seen"] for info in infos) > 1
+            bundlers = [model.manager.step_bundler(w.peer_id) for w in s.workers]
+            if step_bundles:  # every decode step went bundled, and bundles did carry several sessions' steps
+                assert all(b is not None and b.steps_sent >= 8 * 12 for b in bundlers)
+                assert all(b.bundles_sent < b.steps_sent for b in bundlers)
+            else:
+                assert bundlers == [None, None]
             if pipeline_groups > 1:
                 # a batch never mixes groups: at most the 4 sessions of one group
                 assert max(info["max_batch_seen"] for info in infos) <= 4

@@ -76,9 +76,13 @@ def test_schema_validator_rejects_malformed_values_and_subkeys() -> None:
     def ok(value, sub: bytes = subkey, k: bytes = key) -> bool:
         return schema.validate(DHTRecord(k, sub, DHTProtocol.serializer.dumps(value), later()))
 
-    good = info().to_wire()
+    good = info(features=("step_bundles",)).to_wire()
     assert ok(good)
     assert ok({**good, "from_the_future": [1, 2]})  # newer servers stay readable
+    assert ok({k: v for k, v in good.items() if k != "features"})  # older servers announce no features
+    assert ServerInfo.from_wire(good).features == ("step_bundles",)
+    assert ServerInfo.from_wire({k: v for k, v in good.items() if k != "features"}).features == ()
+    assert ServerInfo.from_wire({**good, "features": "step_bundles"}) is None  # a list of names, not a string
     for bad in (
         {**good, "throughput": 10},  # int for a float: strict types, no conversions
         {**good, "start_block": "0"},

@@ -22,8 +22,14 @@ from hivemind.proto import runtime_pb2
 from hivemind.utils.streaming import combine_from_streaming
 
 from swarm_client import protocol
-from swarm_client.errors import InvalidInputError, LengthExceededError, RemoteError, error_to_wire
-from swarm_client.protocol import MAX_PIPELINE_GROUPS
+from swarm_client.errors import (
+    InvalidInputError,
+    LengthExceededError,
+    RemoteError,
+    SessionNotFoundError,
+    error_to_wire,
+)
+from swarm_client.protocol import MAX_BUNDLE_STEPS, MAX_PIPELINE_GROUPS
 from worker.batcher import StepBatcher
 from worker.cache import CacheManager, SessionCache
 from worker.compute import SpanRunner, StepItem
@@ -260,6 +266,8 @@ class BlockHandler(protocol.BlockRPC):
                     async with asyncio.timeout(self.limits.idle_timeout):  # cheaper than wait_for per step
                         source, message = await inbox.get()
                 except TimeoutError:
+                    if time.monotonic() - cache.last_used < self.limits.idle_timeout:
+                        continue  # kept busy by bundled steps (rpc_steps), which do not pass this stream
                     logger.info(
                         "session %s idle for %.0fs; closing it", cache.session_id, self.limits.idle_timeout
                     )
@@ -304,6 +312,48 @@ class BlockHandler(protocol.BlockRPC):
                     del self._inboxes[cache.session_id]
                 self.batcher.forget(cache.session_id)
                 self.caches.release(cache.session_id, keep=keep)
+
+    async def rpc_steps(
+        self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
+    ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
+        """Bundled steps of one client's sessions (``protocol``, worker/bundles.py)."""
+        from worker.bundles import serve_step_bundles  # local import: that module imports this one
+
+        async for response in serve_step_bundles(requests, context, lambda: [self]):
+            yield response
+
+    def parse_bundle(self, request: runtime_pb2.ExpertRequest) -> tuple[dict, list[dict], list[torch.Tensor]]:
+        """A bundle's metadata, steps and hidden states, checked as any step's tensors are."""
+        metadata = self._unpack(request.metadata)
+        steps = metadata.get("steps")
+        if not isinstance(steps, list) or not 1 <= len(steps) <= MAX_BUNDLE_STEPS:
+            raise InvalidInputError(f"'steps' must be a list of 1 to {MAX_BUNDLE_STEPS} steps")
+        if len(request.tensors) != len(steps) or not all(isinstance(step, dict) for step in steps):
+            raise InvalidInputError(
+                "a bundle needs one tensor and one dict per step; "
+                f"got {len(request.tensors)} tensors for {len(steps)} steps"
+            )
+        return metadata, steps, self._deserialize(request.tensors, max_count=len(steps))
+
+    async def bundled_step(
+        self, step: dict, hidden: torch.Tensor, owner: str | None
+    ) -> tuple[torch.Tensor | None, dict]:
+        """One step of a bundle, on a session the same peer holds open here; its error stays its own."""
+        try:
+            session_id = step.get("session_id")
+            cache = self.caches.sessions.get(session_id) if isinstance(session_id, str) else None
+            if cache is None or not self.holds_stream(session_id) or cache.owner != owner:
+                raise SessionNotFoundError(
+                    f"no open inference stream of yours holds session {str(session_id)[:80]!r} here; "
+                    "open it with rpc_inference before bundling its steps"
+                )
+            out, position = await self._step(cache, [hidden], step)
+            return out, {"position": position}
+        except (RemoteError, ValueError) as e:
+            return None, {"error": self._wire_error(e)}
+        except Exception as e:  # never let one session take the server down
+            logger.exception("bundled step failed")
+            return None, {"error": {"code": "remote_error", "message": f"internal error: {e!r}"}}
 
     @staticmethod
     async def _pump(requests: AsyncIterator[runtime_pb2.ExpertRequest], inbox: asyncio.Queue) -> None:

@@ -33,6 +33,7 @@ from swarm_client import protocol
 from swarm_client.dht_records import RemoteSpanInfo, ServerInfo, ServerState, spans_from_records
 from swarm_client.errors import RemoteError, SessionNotFoundError, error_to_wire
 from worker.block_selection import choose_best_blocks, should_choose_other_blocks
+from worker.bundles import serve_step_bundles
 from worker.handler import BlockHandler
 
 __all__ = [
@@ -224,6 +225,13 @@ class HandlerSwitch(protocol.BlockRPC):
             handler = next((h for h in self.handlers if h.holds_stream(session_id)), None)
             accepted += handler is not None and handler.accept_push(request)
         yield protocol.make_response(accepted=accepted)
+
+    async def rpc_steps(
+        self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
+    ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
+        """Each bundled step to whichever handler (current or retired) holds its session's stream."""
+        async for response in serve_step_bundles(requests, context, lambda: self.handlers):
+            yield response
 
     async def rpc_forward(
         self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext

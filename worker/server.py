@@ -253,6 +253,7 @@ class BlockServer:
             version=PROTOCOL_VERSION,
             dtype=str(self.dtype).removeprefix("torch."),
             public_name=self.cfg.public_name,
+            features=(protocol.STEP_BUNDLES,),
         )
 
     async def _announce(
