@@ -101,11 +101,10 @@ def _add_pipeline_flags(p: argparse.ArgumentParser) -> None:
         "chain compute at the same time (pays when each server has its own machine; 1: off)",
     )
     p.add_argument(
-        "--no-step-bundles",
-        dest="step_bundles",
-        action="store_false",
-        help="send each session's steps on its own stream (default: the steps of all sessions bound for one "
-        "server travel as one message per hop, where the server supports it)",
+        "--step-bundles",
+        action="store_true",
+        help="send the steps of all sessions bound for one server as one message per hop, where the server "
+        "supports it (measured neutral to +30 %% on one machine; default: one stream per session)",
     )
 
 

@@ -494,8 +494,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="the gateway's client deals sessions into this many groups that servers batch apart",
     )  # fmt: skip
     p.add_argument(
-        "--no-step-bundles", dest="step_bundles", action="store_false",
-        help="each session's steps on its own stream (default: one bundled message per server and hop)",
+        "--step-bundles", action="store_true",
+        help="the gateway's client bundles its sessions' steps: one message per server and hop",
     )  # fmt: skip
     p.add_argument("--no-ban-eos", dest="ban_eos", action="store_false", help="let requests stop at EOS")
     p.add_argument(

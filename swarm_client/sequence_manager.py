@@ -59,9 +59,9 @@ class ClientConfig:
     #: steps at a time, so consecutive servers of a chain compute different groups at once instead of each
     #: idling while the other computes the one big batch (1: no groups, every session batches with every other)
     pipeline_groups: int = 1
-    #: bundled steps: the steps of all sessions bound for one server in the same event-loop iteration travel
-    #: as one message each way (``swarm_client.step_bundles``), where the server announces the feature
-    step_bundles: bool = True
+    #: bundled steps: the steps of all sessions bound for one server in the same few event-loop iterations
+    #: travel as one message each way (``swarm_client.step_bundles``), where the server announces the feature
+    step_bundles: bool = False
     ban_base: float = 1.0
     ban_max: float = 60.0
     extra: dict = field(default_factory=dict)
