@@ -18,9 +18,10 @@ server sessions (``InferenceSession.resume``), from this process or any other ga
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -40,15 +41,24 @@ from swarm_client.session import InferenceSession
 __all__ = ["SwarmBackend", "SwarmSession"]
 
 
+def _swarm_error(exc: BaseException) -> BaseException:
+    """Whatever breaks below the client library (p2p daemon gone, sockets) is the swarm's fault: a 503."""
+    if isinstance(exc, (TimeoutError, OSError, RuntimeError)) and not isinstance(exc, (SwarmError, ValueError)):
+        error = PeerError(f"swarm transport failed: {type(exc).__name__}: {exc}")
+        error.__cause__ = exc
+        return error
+    return exc
+
+
 @contextlib.contextmanager
 def _as_swarm_errors() -> Iterator[None]:
-    """Whatever breaks below the client library (p2p daemon gone, sockets) is the swarm's fault: a 503."""
     try:
         yield
-    except (SwarmError, ValueError):
-        raise
-    except (TimeoutError, OSError, RuntimeError) as exc:
-        raise PeerError(f"swarm transport failed: {type(exc).__name__}: {exc}") from exc
+    except Exception as exc:
+        error = _swarm_error(exc)
+        if error is exc:
+            raise
+        raise error from exc
 
 
 class SwarmSession:
@@ -69,6 +79,13 @@ class SwarmSession:
         return len(self.token_ids)
 
     def step(self, token_ids: list[int]) -> torch.Tensor:
+        hidden = self._embed(token_ids)
+        with torch.inference_mode(), _as_swarm_errors():
+            out = self.inner.step(hidden, position=self.position)  # [1, T, H]
+        return self._finish(token_ids, hidden, out)
+
+    def _embed(self, token_ids: list[int]) -> torch.Tensor:
+        """Check a step and embed its tokens: ``[1, T, H]``."""
         if self.closed:
             raise RuntimeError("step() on a closed session")
         if not token_ids:
@@ -77,15 +94,16 @@ class SwarmSession:
             raise ValueError(
                 f"session max_length {self.max_length} exceeded ({self.position} + {len(token_ids)})"
             )
-        head = self.backend.model.head
         input_ids = torch.tensor([token_ids], dtype=torch.long)  # [1, T]
         with torch.inference_mode():
-            hidden = head.embed(input_ids).float()  # [1, T, H]
-            with _as_swarm_errors():
-                out = self.inner.step(hidden, position=self.position)  # [1, T, H]
-            logits = head.final(out[:, -1:].to(hidden.dtype))  # [1, 1, vocab]
+            return self.backend.model.head.embed(input_ids).float()
+
+    def _finish(self, token_ids: list[int], hidden: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """The last position's logits ``[vocab]`` from the blocks' output; the tokens now count as held."""
+        with torch.inference_mode():
+            logits = self.backend.model.head.final(out[:, -1:].to(hidden.dtype))  # [1, 1, vocab]
         self.token_ids.extend(token_ids)
-        return logits[0, -1].float()  # [vocab]
+        return logits[0, -1].float()
 
     def rollback(self, position: int) -> None:
         if not 0 <= position <= self.position:
@@ -206,6 +224,39 @@ class SwarmBackend:
         with self._lock:
             self._sessions.add(session)
         return session
+
+    def step_many(
+        self, sessions: Sequence[SwarmSession], token_ids: Sequence[list[int]]
+    ) -> list[torch.Tensor | BaseException]:
+        """One step of several sessions in one call: their swarm steps run concurrently on the client's I/O
+        loop (the servers batch them), everything else exactly as ``SwarmSession.step``, so the logits are
+        the same. One result per session: its logits, or the exception its step raised."""
+        results: list[torch.Tensor | BaseException | None] = [None] * len(sessions)
+        ready: list[tuple[int, torch.Tensor]] = []
+        for i, (session, ids) in enumerate(zip(sessions, token_ids, strict=True)):
+            try:
+                ready.append((i, session._embed(ids)))
+            except Exception as e:
+                results[i] = e
+
+        async def step_all() -> list[Any]:
+            steps = (sessions[i].inner.astep(hidden, position=sessions[i].position) for i, hidden in ready)
+            return await asyncio.gather(*steps, return_exceptions=True)
+
+        try:
+            with torch.inference_mode():
+                outs = runtime.run(step_all()) if ready else []
+        except Exception as e:  # the I/O loop itself failed: every step did
+            outs = [e] * len(ready)
+        for (i, hidden), out in zip(ready, outs, strict=True):
+            if isinstance(out, BaseException):
+                results[i] = _swarm_error(out)
+                continue
+            try:
+                results[i] = sessions[i]._finish(token_ids[i], hidden, out)
+            except Exception as e:
+                results[i] = e
+        return results  # type: ignore[return-value]
 
     def _forget(self, session: SwarmSession) -> None:
         with self._lock:
