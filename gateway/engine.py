@@ -47,6 +47,7 @@ import anyio
 import torch
 
 from gateway.backend import DecodeSession, ModelBackend, SessionSnapshot
+from gateway.decode_batch import StepGatherer
 from gateway.detokenize import IncrementalDetokenizer, TokenVocab
 from gateway.errors import (
     ContextLengthExceededError,
@@ -171,7 +172,10 @@ class _ReusableSession:
         except SessionLost as exc:
             if not self.resumed:
                 raise
-            lost = exc
+            return self.recover(token_ids, exc)
+
+    def recover(self, token_ids: list[int], lost: SessionLost) -> torch.Tensor:
+        """The servers lost this resumed session at a step of ``token_ids``: re-prefill a fresh one."""
         held = list(self.inner.token_ids)
         with contextlib.suppress(Exception):
             self.inner.close()
@@ -211,6 +215,16 @@ def _open_reusable(
 
 
 @dataclass
+class _DecodeItem:
+    """One choice's next decode step, for ``Engine._decode_batch``."""
+
+    session: DecodeSession
+    token: int
+    sampler: Sampler
+    k: int | None
+
+
+@dataclass
 class _Reuse:
     """Where a reusable choice's session goes when it finishes: the store, the claimed record id."""
 
@@ -239,8 +253,17 @@ class _SessionHandle:
     async def call(self, fn: Callable[..., T], *args: Any) -> T:
         if self._closed:
             raise RuntimeError("session already closed")
-        fut = asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+        return await self.wait(self.track(asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)))
+
+    def track(self, fut: asyncio.Future[T]) -> asyncio.Future[T]:
+        """Make ``fut`` — this session's one call in flight, wherever it runs — the call ``aclose`` waits for."""
+        if self._closed:
+            raise RuntimeError("session already closed")
         self._inflight = fut
+        return fut
+
+    @staticmethod
+    async def wait(fut: asyncio.Future[T]) -> T:
         # shield: a cancelled caller must not leave the thread running while we close the session
         return await asyncio.shield(fut)
 
@@ -321,6 +344,10 @@ class Engine:
         self.replica_id = (
             settings.replica_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         )
+        #: gathers the decode steps of concurrent choices into one call (None: each steps on its own)
+        self.decoder: StepGatherer[_DecodeItem, Any] | None = None
+        if settings.batch_decode and hasattr(backend, "step_many"):
+            self.decoder = StepGatherer(self.executor, self._decode_batch)
 
     def close(self) -> None:
         """Stop the worker threads (the backend belongs to the caller and stays open)."""
@@ -474,6 +501,33 @@ class Engine:
     ) -> tuple[int, TokenLogprob | None]:
         return self._sample(session.step([token]), sampler, k)
 
+    async def _decode(
+        self, handle: _SessionHandle, session: DecodeSession, token: int, sampler: Sampler, k: int | None
+    ) -> tuple[int, TokenLogprob | None]:
+        """Feed ``token`` and sample the next one: with the other choices' steps (``decoder``), or alone."""
+        if self.decoder is None:
+            return await handle.call(self._next_token, session, token, sampler, k)
+        return await handle.wait(handle.track(self.decoder.submit(handle, _DecodeItem(session, token, sampler, k))))
+
+    def _decode_batch(self, items: Sequence[_DecodeItem]) -> list[Any]:
+        """Step every item's session at once (``backend.step_many``), then sample each; one result or
+        exception per item. A resumed session the servers lost recovers by itself (``_ReusableSession``)."""
+        inner = [i.session.inner if isinstance(i.session, _ReusableSession) else i.session for i in items]
+        logits_or_errors = self.backend.step_many(inner, [[i.token] for i in items])  # type: ignore[attr-defined]
+        results: list[Any] = []
+        for item, logits in zip(items, logits_or_errors, strict=True):
+            try:
+                reusable = item.session if isinstance(item.session, _ReusableSession) else None
+                if isinstance(logits, SessionLost) and reusable is not None and reusable.resumed:
+                    logits = reusable.recover([item.token], logits)  # as its step() would
+                if isinstance(logits, BaseException):
+                    results.append(logits)
+                else:
+                    results.append(self._sample(logits, item.sampler, item.k))
+            except Exception as e:
+                results.append(e)
+        return results
+
     async def _run_choice(self, spec: ChoiceSpec, handle: _SessionHandle) -> AsyncIterator[Delta]:
         """Decode one choice, yielding text as soon as it is final (no partial characters, no text that might
         still turn out to be a stop string). Closes the session however it ends."""
@@ -511,8 +565,10 @@ class Engine:
                     pending, prompt_lps, text = [], None, ""
                 if produced >= spec.max_tokens:
                     break
-                token, lp = await handle.call(self._next_token, session, token, sampler, spec.logprobs)
+                token, lp = await self._decode(handle, session, token, sampler, spec.logprobs)
                 clock = self._token_clock(clock)
+            if self.decoder is not None:
+                self.decoder.forget(handle)  # the next batch need not wait for this choice
             if not stopper.stopped:  # release what was held: an incomplete character, a would-be stop string
                 text = stopper.push(detok.flush())
                 text += "" if stopper.stopped else stopper.flush()
@@ -522,6 +578,8 @@ class Engine:
             cached = 0 if handle.cached_tokens_lost else reused
             yield Delta(spec.index, text, pending, finish, produced, prompt_lps, cached)
         finally:
+            if self.decoder is not None:
+                self.decoder.forget(handle)
             if self.metrics is not None and produced:
                 cached = 0 if handle.cached_tokens_lost else reused
                 self.metrics.observe_usage(len(spec.prompt_ids), produced, cached)

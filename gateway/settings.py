@@ -30,6 +30,9 @@ class GatewaySettings(BaseSettings):
     request_timeout_s: float = Field(default=600.0, ge=0)
     #: threads for blocking backend calls: one per step in flight, so at least the expected concurrent choices
     backend_threads: int = Field(default=64, ge=1)
+    #: run the next-token steps of all choices decoding at once as one call (backends with ``step_many``:
+    #: the swarm); False: every choice steps in a thread of its own (gateway/decode_batch.py)
+    batch_decode: bool = True
     #: what a 503 tells the client to wait before retrying
     retry_after_s: int = Field(default=5, ge=0)
     #: session-affinity store; None = in-memory (one gateway replica)

@@ -334,11 +334,26 @@ class ResumableLocal:
         self.inner.close()
 
 
-@pytest.fixture(scope="module")
-def local_pair(tiny_llama: str) -> Iterator[tuple[Gateway, Gateway]]:
-    """The same backend behind a gateway with affinity (in-memory store) and one without."""
+class BatchingResumableLocal(ResumableLocal):
+    """The same with ``step_many`` (the swarm backend's contract: one result or exception per session), so
+    the engine gathers concurrent decode steps into one call (gateway/decode_batch.py)."""
+
+    def step_many(self, sessions, token_ids):
+        results = []
+        for session, ids in zip(sessions, token_ids, strict=True):
+            try:
+                results.append(session.step(ids))
+            except Exception as e:
+                results.append(e)
+        return results
+
+
+@pytest.fixture(scope="module", params=[ResumableLocal, BatchingResumableLocal], ids=["per-choice", "batched"])
+def local_pair(request, tiny_llama: str) -> Iterator[tuple[Gateway, Gateway]]:
+    """The same backend behind a gateway with affinity (in-memory store) and one without; decode steps
+    taken per choice or gathered across choices."""
     torch.set_num_threads(1)
-    backend = ResumableLocal(tiny_llama)
+    backend = request.param(tiny_llama)
     reuse = start_gateway(backend, replica_id="local")
     plain = start_gateway(backend, affinity=False)
     yield reuse, plain
@@ -416,6 +431,8 @@ def test_local_resumed_session_lost_mid_request_restarts_transparently(
     finally:
         backend.lose_resumed_at_step = None
     assert backend.losses == 1, "the session was not lost mid-request: the test proves nothing"
+    decoder = reuse.server.app.state.engine.decoder
+    assert (decoder is not None and decoder.items > 0) == isinstance(backend, BatchingResumableLocal)
     assert usage.completion_tokens > 1
     assert text == _chat(plain, messages)[0]
     assert usage.prompt_tokens_details.cached_tokens == 0  # rebuilt from scratch: nothing was reused

@@ -11,6 +11,7 @@ from __future__ import annotations
 import signal
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import openai
@@ -133,6 +134,35 @@ def test_greedy_identical_to_local_backend(swarm_gw: Gateway, local_gw: Gateway,
     ours_c = client.completions.create(model=swarm_gw.model, **ckw).choices[0].text
     ref_c = local.completions.create(model=local_gw.model, **ckw).choices[0].text
     assert ours_c == ref_c
+
+
+def test_concurrent_chats_are_decoded_together_and_exact(swarm_gw: Gateway, local_gw: Gateway, client) -> None:
+    """Six streaming chats at once: their decode steps go to the swarm in shared batches
+    (gateway/decode_batch.py), and each text is what the local model gives that prompt alone."""
+    prompts = [f"Tell me about server number {i} of the swarm." for i in range(6)]
+    kw = dict(max_tokens=24, temperature=0)
+    local = local_gw.client()
+    expected = [
+        local.chat.completions.create(model=local_gw.model, messages=[{"role": "user", "content": p}], **kw)
+        .choices[0]
+        .message.content
+        for p in prompts
+    ]
+    decoder = swarm_gw.server.app.state.engine.decoder
+    assert decoder is not None
+    batches, items = decoder.batches, decoder.items
+
+    def chat(prompt: str) -> str:
+        stream = client.chat.completions.create(
+            model=swarm_gw.model, messages=[{"role": "user", "content": prompt}], stream=True, **kw
+        )
+        return _stream(stream)[0][0]
+
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        got = list(pool.map(chat, prompts))
+    assert got == expected
+    assert decoder.items - items >= len(prompts) * 10
+    assert (decoder.items - items) / (decoder.batches - batches) > 1.5  # steps really were shared
 
 
 def test_health_and_swarm_state(swarm_gw: Gateway, the_swarm: Swarm) -> None:

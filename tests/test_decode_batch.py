@@ -1,0 +1,101 @@
+"""``StepGatherer``: the decode steps of concurrent choices go to the backend as one call, each caller gets
+its own result or exception, and a batch waits only (and briefly) for choices that are still decoding."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from gateway import decode_batch
+from gateway.decode_batch import StepGatherer
+
+
+class Recorder:
+    """``run_batch`` that records each batch and squares the items (a negative item fails on its own)."""
+
+    def __init__(self) -> None:
+        self.batches: list[list[int]] = []
+        self.threads: set[str] = set()
+
+    def __call__(self, items):
+        self.batches.append(list(items))
+        self.threads.add(threading.current_thread().name)
+        return [ValueError(f"bad {i}") if i < 0 else i * i for i in items]
+
+
+@pytest.fixture
+def executor():
+    with ThreadPoolExecutor(2, thread_name_prefix="batch") as pool:
+        yield pool
+
+
+def test_items_submitted_together_run_as_one_call_with_their_own_results(executor):
+    run = Recorder()
+    gatherer = StepGatherer(executor, run)
+
+    async def main():
+        futures = [gatherer.submit(key, item) for key, item in enumerate([2, 3, -1, 4])]
+        return await asyncio.gather(*futures, return_exceptions=True)
+
+    results = asyncio.run(main())
+    assert run.batches == [[2, 3, -1, 4]] and run.threads and all(t.startswith("batch") for t in run.threads)
+    assert results[:2] == [4, 9] and results[3] == 16
+    assert isinstance(results[2], ValueError) and "bad -1" in str(results[2])
+    assert (gatherer.batches, gatherer.items) == (1, 4)
+
+
+def test_a_failing_batch_fails_each_of_its_callers(executor):
+    def broken(items):
+        raise RuntimeError("backend down")
+
+    gatherer = StepGatherer(executor, broken)
+
+    async def main():
+        futures = [gatherer.submit(key, key) for key in range(3)]
+        return await asyncio.gather(*futures, return_exceptions=True)
+
+    assert all(isinstance(r, RuntimeError) and "backend down" in str(r) for r in asyncio.run(main()))
+
+
+def test_a_batch_waits_for_choices_still_decoding_but_not_for_finished_ones(executor):
+    """Three choices decode in lock-step; each emits its token for a different time before its next step.
+    The next batch waits for all three; once one finishes (forget), nobody waits for it."""
+    run = Recorder()
+    gatherer = StepGatherer(executor, run)
+    delays = {0: 0.0, 1: 0.001, 2: 0.002}  # well under GATHER_SECONDS
+
+    async def choice(key: int, steps: int) -> None:
+        for step in range(steps):
+            await gatherer.submit(key, 10 * key + step)
+            await asyncio.sleep(delays[key])  # emitting the text of the token
+        gatherer.forget(key)
+
+    async def main():
+        await asyncio.gather(choice(0, 3), choice(1, 3), choice(2, 1))
+
+    started = time.monotonic()
+    asyncio.run(main())
+    assert run.batches[0] == [0, 10, 20]  # all three, submitted in one iteration
+    assert run.batches[1:] == [[1, 11], [2, 12]]  # choice 2 finished: waited for until it said so, no longer
+    assert time.monotonic() - started < 1.0
+
+
+def test_a_choice_that_does_not_come_back_delays_the_others_at_most_briefly(executor, monkeypatch):
+    monkeypatch.setattr(decode_batch, "GATHER_SECONDS", 0.05)
+    run = Recorder()
+    gatherer = StepGatherer(executor, run)
+
+    async def main():
+        await asyncio.gather(gatherer.submit("a", 1), gatherer.submit("b", 2))
+        # "b" is expected back but never submits nor finishes (a stalled reader): "a" goes alone, late
+        t0 = time.monotonic()
+        await gatherer.submit("a", 3)
+        return time.monotonic() - t0
+
+    waited = asyncio.run(main())
+    assert run.batches == [[1, 2], [3]]
+    assert 0.04 <= waited < 1.0
