@@ -384,6 +384,7 @@ def markdown(report: Mapping[str, Any]) -> str:
         f"{meta['max_tokens']} tokens per request (EOS banned: {meta['ban_eos']}; prefix reuse: "
         f"{meta['affinity']}; server-to-server push: {meta.get('push', False)}; "
         f"pipeline groups: {meta.get('pipeline_groups', 1)}; step bundles: {meta.get('step_bundles', False)}; "
+        f"gateway batch decode: {meta.get('batch_decode', False)}; "
         f"load generator in the gateway's "
         f"process: {meta.get('loadgen_in_process', True)}), "
         f"{meta['requests_per_stream']} request(s) per stream (at least {meta['min_requests']} per level), "
@@ -494,6 +495,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="the gateway's client deals sessions into this many groups that servers batch apart",
     )  # fmt: skip
     p.add_argument(
+        "--no-batch-decode", dest="batch_decode", action="store_false",
+        help="each choice steps in a thread of its own (default: the gateway gathers concurrent decode steps)",
+    )  # fmt: skip
+    p.add_argument(
         "--step-bundles", action="store_true",
         help="the gateway's client bundles its sessions' steps: one message per server and hop",
     )  # fmt: skip
@@ -522,7 +527,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         model_dir = resolve_model(args.model, workdir)
         worker_threads = args.worker_threads or max(1, (os.cpu_count() or 1) // args.workers)
-        gateway_settings = gateway_overrides(affinity=args.affinity)
+        gateway_settings = gateway_overrides(affinity=args.affinity, batch_decode=args.batch_decode)
         with LocalSwarm(
             model_dir,
             args.workers,
@@ -562,6 +567,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "push": args.push,
             "pipeline_groups": args.pipeline_groups,
             "step_bundles": args.step_bundles,
+            "batch_decode": args.batch_decode,
             "loadgen_in_process": args.loadgen_in_process,
             "levels": args.levels,
             "cpu_count": os.cpu_count(),
