@@ -30,45 +30,59 @@ GATHER_PASSES = 3
 GATHER_SECONDS = 0.005
 
 
+class _Group:
+    """One group's gathering state: its queued items, the keys it expects back, its batch being gathered."""
+
+    def __init__(self) -> None:
+        self.pending: list[tuple[Hashable, Any, asyncio.Future]] = []
+        #: keys whose result was delivered and whose next item has not come yet
+        self.expected: set[Hashable] = set()
+        self.flush_task: asyncio.Task | None = None
+        #: set when an item arrives while a batch is gathering (made per batch: engines outlive event loops in tests)
+        self.arrived: asyncio.Event | None = None
+
+
 class StepGatherer(Generic[T, R]):
     """Gathers items submitted on one event loop into batches for ``run_batch`` (run in ``executor``), which
     returns one result or exception per item. Batches may overlap: a latecomer does not wait for the batch
-    in flight."""
+    in flight.
+
+    Items of different *groups* never share a batch, and a group's batch waits only for its own keys: the
+    client's pipeline groups (``ClientConfig.pipeline_groups``) then stay apart all the way, so the first
+    server computes one group while the next server computes the other, instead of every batch returning
+    only when its slowest group has passed the whole chain."""
 
     def __init__(self, executor: Executor, run_batch: Callable[[Sequence[T]], Sequence[Any]]):
         self._executor = executor
         self._run_batch = run_batch
-        self._pending: list[tuple[Hashable, T, asyncio.Future]] = []
-        #: keys whose result was delivered and whose next item has not come yet
-        self._expected: set[Hashable] = set()
-        self._flush_task: asyncio.Task | None = None
-        #: set when an item arrives while a batch is gathering (made per batch: engines outlive event loops in tests)
-        self._arrived: asyncio.Event | None = None
+        self._groups: dict[Hashable, _Group] = {}
         self.batches = 0
         self.items = 0
 
-    def submit(self, key: Hashable, item: T) -> asyncio.Future:
-        """Queue ``item`` (one per ``key`` at a time); the future gets its result or exception."""
+    def submit(self, key: Hashable, item: T, group: Hashable = None) -> asyncio.Future:
+        """Queue ``item`` (one per ``key`` at a time) in ``group``; the future gets its result or exception."""
         loop = asyncio.get_running_loop()
+        self.forget(key)  # expected here now, and nowhere else (a session replaced after a failure may move)
+        state = self._groups.setdefault(group, _Group())
         future = loop.create_future()
-        self._pending.append((key, item, future))
-        self._expected.discard(key)
-        if self._arrived is not None:
-            self._arrived.set()
-        if self._flush_task is None:
-            self._flush_task = loop.create_task(self._flush())
+        state.pending.append((key, item, future))
+        if state.arrived is not None:
+            state.arrived.set()
+        if state.flush_task is None:
+            state.flush_task = loop.create_task(self._flush(state))
         return future
 
     def forget(self, key: Hashable) -> None:
         """``key`` will submit nothing more (its choice ended): do not wait for it."""
-        self._expected.discard(key)
+        for state in self._groups.values():
+            state.expected.discard(key)
 
-    async def _flush(self) -> None:
+    async def _flush(self, state: _Group) -> None:
         try:
-            await self._gather()
-            batch, self._pending = self._pending, []
+            await self._gather(state)
+            batch, state.pending = state.pending, []
         finally:
-            self._flush_task = None
+            state.flush_task = None
         if not batch:
             return
         self.batches += 1
@@ -83,18 +97,19 @@ class StepGatherer(Generic[T, R]):
         for (key, _, future), result in zip(batch, results, strict=True):
             if future.done():
                 continue
-            self._expected.add(key)
+            state.expected.add(key)
             if isinstance(result, BaseException):
                 future.set_exception(result)
             else:
                 future.set_result(result)
 
-    async def _gather(self) -> None:
+    @staticmethod
+    async def _gather(state: _Group) -> None:
         """Wait (bounded) for the expected keys, then yield while items keep arriving in the same iterations."""
         deadline = time.monotonic() + GATHER_SECONDS
-        self._arrived = arrived = asyncio.Event()
+        state.arrived = arrived = asyncio.Event()
         try:
-            while self._expected - {key for key, _, _ in self._pending}:
+            while state.expected - {key for key, _, _ in state.pending}:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     break
@@ -104,9 +119,9 @@ class StepGatherer(Generic[T, R]):
                 except TimeoutError:
                     break
         finally:
-            self._arrived = None
+            state.arrived = None
         seen = -1
-        while len(self._pending) != seen:
-            seen = len(self._pending)
+        while len(state.pending) != seen:
+            seen = len(state.pending)
             for _ in range(GATHER_PASSES):
                 await asyncio.sleep(0)

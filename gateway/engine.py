@@ -346,7 +346,7 @@ class Engine:
         )
         #: gathers the decode steps of concurrent choices into one call (None: each steps on its own)
         self.decoder: StepGatherer[_DecodeItem, Any] | None = None
-        if settings.batch_decode and hasattr(backend, "step_many"):
+        if settings.batch_decode and hasattr(backend, "step_many") and hasattr(backend, "step_group"):
             self.decoder = StepGatherer(self.executor, self._decode_batch)
 
     def close(self) -> None:
@@ -507,7 +507,10 @@ class Engine:
         """Feed ``token`` and sample the next one: with the other choices' steps (``decoder``), or alone."""
         if self.decoder is None:
             return await handle.call(self._next_token, session, token, sampler, k)
-        return await handle.wait(handle.track(self.decoder.submit(handle, _DecodeItem(session, token, sampler, k))))
+        inner = session.inner if isinstance(session, _ReusableSession) else session
+        group = self.backend.step_group(inner)  # type: ignore[attr-defined]
+        item = _DecodeItem(session, token, sampler, k)
+        return await handle.wait(handle.track(self.decoder.submit(handle, item, group)))
 
     def _decode_batch(self, items: Sequence[_DecodeItem]) -> list[Any]:
         """Step every item's session at once (``backend.step_many``), then sample each; one result or

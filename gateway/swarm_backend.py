@@ -258,6 +258,12 @@ class SwarmBackend:
                 results[i] = e
         return results  # type: ignore[return-value]
 
+    @staticmethod
+    def step_group(session: SwarmSession) -> int | None:
+        """The session's pipeline group (``ClientConfig.pipeline_groups``): ``step_many`` calls take one group
+        each, so the groups stay apart and pipeline through the chain."""
+        return session.inner.batch_group
+
     def _forget(self, session: SwarmSession) -> None:
         with self._lock:
             self._sessions.discard(session)

@@ -347,6 +347,10 @@ class BatchingResumableLocal(ResumableLocal):
                 results.append(e)
         return results
 
+    @staticmethod
+    def step_group(session):
+        return None
+
 
 @pytest.fixture(scope="module", params=[ResumableLocal, BatchingResumableLocal], ids=["per-choice", "batched"])
 def local_pair(request, tiny_llama: str) -> Iterator[tuple[Gateway, Gateway]]:

@@ -99,3 +99,42 @@ def test_a_choice_that_does_not_come_back_delays_the_others_at_most_briefly(exec
     waited = asyncio.run(main())
     assert run.batches == [[1, 2], [3]]
     assert 0.04 <= waited < 1.0
+
+
+def test_groups_never_share_a_batch_and_do_not_wait_for_each_other(executor, monkeypatch):
+    """Two pipeline groups: each batch holds one group's items, and a group whose member is expected back
+    does not hold up the other group (which goes on at once, batch after batch)."""
+    monkeypatch.setattr(decode_batch, "GATHER_SECONDS", 0.5)
+    run = Recorder()
+    gatherer = StepGatherer(executor, run)
+
+    async def main():
+        await asyncio.gather(*(gatherer.submit(key, key, group=key % 2) for key in range(4)))
+        # group 1 (keys 1, 3) is expected back and stays away; group 0 goes on without waiting for it
+        t0 = time.monotonic()
+        for step in range(3):
+            await asyncio.gather(gatherer.submit(0, 10 + step, group=0), gatherer.submit(2, 20 + step, group=0))
+        return time.monotonic() - t0
+
+    waited = asyncio.run(main())
+    assert sorted(map(sorted, run.batches[:2])) == [[0, 2], [1, 3]]
+    assert run.batches[2:] == [[10, 20], [11, 21], [12, 22]]
+    assert waited < 0.4  # less than one wait for group 1's expected keys
+
+
+def test_a_key_that_moves_group_is_not_waited_for_in_its_old_one(executor, monkeypatch):
+    """A session replaced after a failure may land in another group: its old group stops expecting it."""
+    monkeypatch.setattr(decode_batch, "GATHER_SECONDS", 0.5)
+    run = Recorder()
+    gatherer = StepGatherer(executor, run)
+
+    async def main():
+        await asyncio.gather(gatherer.submit("a", 1, group=0), gatherer.submit("b", 2, group=0))
+        await gatherer.submit("b", 3, group=1)  # "b" moved to group 1
+        t0 = time.monotonic()
+        await gatherer.submit("a", 4, group=0)
+        return time.monotonic() - t0
+
+    waited = asyncio.run(main())
+    assert run.batches == [[1, 2], [3], [4]]
+    assert waited < 0.4

@@ -136,9 +136,25 @@ def test_greedy_identical_to_local_backend(swarm_gw: Gateway, local_gw: Gateway,
     assert ours_c == ref_c
 
 
-def test_concurrent_chats_are_decoded_together_and_exact(swarm_gw: Gateway, local_gw: Gateway, client) -> None:
+@pytest.fixture(scope="module")
+def grouped_gw(the_swarm: Swarm, tiny_llama: str) -> Iterator[Gateway]:
+    """A second gateway over the same swarm whose client deals its sessions into 2 pipeline groups."""
+    backend = SwarmBackend(tiny_llama, [the_swarm.initial_peers], update_period=1.0, pipeline_groups=2)
+    gw = start_gateway(backend)
+    yield gw
+    gw.server.stop()
+    backend.close()
+
+
+@pytest.mark.parametrize("groups", [1, 2])
+def test_concurrent_chats_are_decoded_together_and_exact(
+    request: pytest.FixtureRequest, local_gw: Gateway, groups: int
+) -> None:
     """Six streaming chats at once: their decode steps go to the swarm in shared batches
-    (gateway/decode_batch.py), and each text is what the local model gives that prompt alone."""
+    (gateway/decode_batch.py), and each text is what the local model gives that prompt alone. With two
+    pipeline groups every batch holds one group's steps, and both groups are used."""
+    swarm_gw: Gateway = request.getfixturevalue("swarm_gw" if groups == 1 else "grouped_gw")
+    client = swarm_gw.client()
     prompts = [f"Tell me about server number {i} of the swarm." for i in range(6)]
     kw = dict(max_tokens=24, temperature=0)
     local = local_gw.client()
@@ -163,6 +179,7 @@ def test_concurrent_chats_are_decoded_together_and_exact(swarm_gw: Gateway, loca
     assert got == expected
     assert decoder.items - items >= len(prompts) * 10
     assert (decoder.items - items) / (decoder.batches - batches) > 1.5  # steps really were shared
+    assert set(decoder._groups) == ({None} if groups == 1 else {0, 1})
 
 
 def test_health_and_swarm_state(swarm_gw: Gateway, the_swarm: Swarm) -> None:
