@@ -96,9 +96,10 @@ def _add_pipeline_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--pipeline-groups",
         type=int,
-        default=1,
+        default=None,
         help="deal sessions into this many groups that servers batch apart, so consecutive servers of a "
-        "chain compute at the same time (pays when each server has its own machine; 1: off)",
+        "chain compute at the same time (set it to the servers in your chain; 1: off; default: 1 for "
+        "gateway, the number of workers for up)",
     )
     p.add_argument(
         "--step-bundles",
@@ -408,7 +409,7 @@ def _cmd_gateway(args: argparse.Namespace, rest: list[str]) -> int:
         peers,
         model_id=args.model_id or args.model,
         dht_prefix=args.dht_prefix,
-        pipeline_groups=args.pipeline_groups,
+        pipeline_groups=args.pipeline_groups or 1,
         step_bundles=args.step_bundles,
     )
     server = None
@@ -477,6 +478,7 @@ def _run_up(
     from gateway.swarm_backend import SwarmBackend
     from swarm_client.config import default_dht_prefix
     from swarm_client.model_source import ModelNotFoundError, resolve_model_path
+    from swarm_client.protocol import MAX_PIPELINE_GROUPS
 
     _quiet_http_logs()
     server = backend = None
@@ -522,13 +524,17 @@ def _run_up(
             _say(f"error: {failure}")
             return 1
 
+        # one pipeline group per worker: while one worker computes a group, the next computes another
+        groups = args.pipeline_groups or min(len(spans), MAX_PIPELINE_GROUPS)
+        if groups > 1:
+            _say(f"sessions dealt into {groups} pipeline groups (--pipeline-groups)")
         backend = SwarmBackend(
             args.model,
             maddrs,
             model_id=args.model,
             dht_prefix=prefix,
             dht=dht,
-            pipeline_groups=args.pipeline_groups,
+            pipeline_groups=groups,
             step_bundles=args.step_bundles,
         )
         settings = GatewaySettings(

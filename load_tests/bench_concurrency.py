@@ -491,8 +491,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--push", action="store_true", help="the gateway's client asks servers to push to each other")
     p.add_argument(
-        "--pipeline-groups", type=int, default=1,
-        help="the gateway's client deals sessions into this many groups that servers batch apart",
+        "--pipeline-groups", type=int, default=None,
+        help="the gateway's client deals sessions into this many groups that servers batch apart "
+        "(default: one per worker, as swarmserve up does; 1: off)",
     )  # fmt: skip
     p.add_argument(
         "--no-batch-decode", dest="batch_decode", action="store_false",
@@ -527,6 +528,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         model_dir = resolve_model(args.model, workdir)
         worker_threads = args.worker_threads or max(1, (os.cpu_count() or 1) // args.workers)
+        if args.pipeline_groups is None:
+            args.pipeline_groups = args.workers  # swarmserve up's default
         gateway_settings = gateway_overrides(affinity=args.affinity, batch_decode=args.batch_decode)
         with LocalSwarm(
             model_dir,
