@@ -92,14 +92,30 @@ def _add_up(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_cmd_up)
 
 
+def pipeline_groups_arg(text: str) -> int | str:
+    """``--pipeline-groups``: "auto" or a number of groups in [1, MAX_PIPELINE_GROUPS]."""
+    from swarm_client.protocol import MAX_PIPELINE_GROUPS
+    from swarm_client.sequence_manager import AUTO_GROUPS
+
+    if text == AUTO_GROUPS:
+        return AUTO_GROUPS
+    try:
+        groups = int(text)
+    except ValueError:
+        groups = 0
+    if not 1 <= groups <= MAX_PIPELINE_GROUPS:
+        raise argparse.ArgumentTypeError(f"expected 'auto' or a number in [1, {MAX_PIPELINE_GROUPS}], got {text!r}")
+    return groups
+
+
 def _add_pipeline_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--pipeline-groups",
-        type=int,
-        default=None,
-        help="deal sessions into this many groups that servers batch apart, so consecutive servers of a "
-        "chain compute at the same time (set it to the servers in your chain; 1: off; default: 1 for "
-        "gateway, the number of workers for up)",
+        type=pipeline_groups_arg,
+        default="auto",
+        metavar="auto|N",
+        help="deal sessions into groups that servers batch apart, so consecutive servers of a chain compute "
+        "at the same time (default auto: as many groups as a session's route has servers; 1: off)",
     )
     p.add_argument(
         "--step-bundles",
@@ -409,7 +425,7 @@ def _cmd_gateway(args: argparse.Namespace, rest: list[str]) -> int:
         peers,
         model_id=args.model_id or args.model,
         dht_prefix=args.dht_prefix,
-        pipeline_groups=args.pipeline_groups or 1,
+        pipeline_groups=args.pipeline_groups,
         step_bundles=args.step_bundles,
     )
     server = None
@@ -478,7 +494,7 @@ def _run_up(
     from gateway.swarm_backend import SwarmBackend
     from swarm_client.config import default_dht_prefix
     from swarm_client.model_source import ModelNotFoundError, resolve_model_path
-    from swarm_client.protocol import MAX_PIPELINE_GROUPS
+    from swarm_client.sequence_manager import AUTO_GROUPS
 
     _quiet_http_logs()
     server = backend = None
@@ -524,9 +540,11 @@ def _run_up(
             _say(f"error: {failure}")
             return 1
 
-        # one pipeline group per worker: while one worker computes a group, the next computes another
-        groups = args.pipeline_groups or min(len(spans), MAX_PIPELINE_GROUPS)
-        if groups > 1:
+        # one pipeline group per server of a route: while one worker computes a group, the next another
+        groups = args.pipeline_groups
+        if groups == AUTO_GROUPS and len(spans) > 1:
+            _say("sessions dealt into one pipeline group per server of their route (--pipeline-groups)")
+        elif groups != AUTO_GROUPS and groups > 1:
             _say(f"sessions dealt into {groups} pipeline groups (--pipeline-groups)")
         backend = SwarmBackend(
             args.model,

@@ -43,7 +43,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from gateway.cli_gateway import WorkerProcess, split_blocks, stop_workers  # noqa: E402
+from gateway.cli_gateway import WorkerProcess, pipeline_groups_arg, split_blocks, stop_workers  # noqa: E402
 from load_tests.loadgen import PROMPTS, run_load, run_load_sync  # noqa: E402
 
 DEFAULT_LEVELS = (1, 2, 4, 8, 16)
@@ -491,9 +491,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--push", action="store_true", help="the gateway's client asks servers to push to each other")
     p.add_argument(
-        "--pipeline-groups", type=int, default=None,
-        help="the gateway's client deals sessions into this many groups that servers batch apart "
-        "(default: one per worker, as swarmserve up does; 1: off)",
+        "--pipeline-groups", type=pipeline_groups_arg, default="auto", metavar="auto|N",
+        help="the gateway's client deals sessions into groups that servers batch apart (default auto: one per "
+        "server of a session's route, as swarmserve up does; 1: off)",
     )  # fmt: skip
     p.add_argument(
         "--no-batch-decode", dest="batch_decode", action="store_false",
@@ -528,8 +528,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         model_dir = resolve_model(args.model, workdir)
         worker_threads = args.worker_threads or max(1, (os.cpu_count() or 1) // args.workers)
-        if args.pipeline_groups is None:
-            args.pipeline_groups = args.workers  # swarmserve up's default
         gateway_settings = gateway_overrides(affinity=args.affinity, batch_decode=args.batch_decode)
         with LocalSwarm(
             model_dir,

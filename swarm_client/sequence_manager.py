@@ -28,6 +28,9 @@ from swarm_client.step_bundles import StepBundler
 
 logger = logging.getLogger(__name__)
 
+#: ``ClientConfig.pipeline_groups`` value: one group per server of each session's route
+AUTO_GROUPS = "auto"
+
 
 @dataclass
 class ClientConfig:
@@ -57,8 +60,9 @@ class ClientConfig:
     push: bool = False
     #: pipeline groups: sessions are dealt round-robin into this many groups, and a server batches one group's
     #: steps at a time, so consecutive servers of a chain compute different groups at once instead of each
-    #: idling while the other computes the one big batch (1: no groups, every session batches with every other)
-    pipeline_groups: int = 1
+    #: idling while the other computes the one big batch (1: no groups, every session batches with every other;
+    #: "auto": as many groups as the session's route has servers, decided when its chain is first routed)
+    pipeline_groups: int | str = 1
     #: bundled steps: the steps of all sessions bound for one server in the same few event-loop iterations
     #: travel as one message each way (``swarm_client.step_bundles``), where the server announces the feature
     step_bundles: bool = False
@@ -69,9 +73,12 @@ class ClientConfig:
 
 class SequenceManager:
     def __init__(self, config: ClientConfig, dht: DHT | None = None):
-        if not isinstance(config.pipeline_groups, int) or not 1 <= config.pipeline_groups <= MAX_PIPELINE_GROUPS:
+        groups = config.pipeline_groups
+        if groups != AUTO_GROUPS and (
+            not isinstance(groups, int) or isinstance(groups, bool) or not 1 <= groups <= MAX_PIPELINE_GROUPS
+        ):
             raise ValueError(
-                f"pipeline_groups must be an int in [1, {MAX_PIPELINE_GROUPS}], got {config.pipeline_groups!r}"
+                f"pipeline_groups must be an int in [1, {MAX_PIPELINE_GROUPS}] or {AUTO_GROUPS!r}, got {groups!r}"
             )
         self.config = config
         if dht is None:  # validators: signed records are verified (and unwrapped) on every read
@@ -93,12 +100,22 @@ class SequenceManager:
         self._sessions_dealt = 0
         self._bundlers: dict[str, StepBundler] = {}
 
-    def next_batch_group(self) -> int | None:
-        """The pipeline group of a new session (round-robin), or None without groups."""
-        if self.config.pipeline_groups <= 1:
+    @property
+    def groups_follow_route(self) -> bool:
+        """True with ``pipeline_groups="auto"``: a session's group waits for its route (``next_batch_group``)."""
+        return self.config.pipeline_groups == AUTO_GROUPS
+
+    def next_batch_group(self, chain_length: int = 1) -> int | None:
+        """The pipeline group of a new session (round-robin), or None without groups.
+
+        ``chain_length`` (servers on the session's route) sets the number of groups under "auto": a chain of
+        k servers keeps all k busy with k groups, and a single server gains nothing from splitting its batch.
+        """
+        groups = min(chain_length, MAX_PIPELINE_GROUPS) if self.groups_follow_route else self.config.pipeline_groups
+        if groups <= 1:
             return None
         self._sessions_dealt += 1
-        return (self._sessions_dealt - 1) % self.config.pipeline_groups
+        return (self._sessions_dealt - 1) % groups
 
     def step_bundler(self, peer_id: str) -> StepBundler | None:
         """The step bundle stream to ``peer_id``, if bundles are on and the server announces them."""

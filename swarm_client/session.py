@@ -281,7 +281,9 @@ class InferenceSession:
         self.batch_size = batch_size
         self.session_id = session_id or uuid.uuid4().hex
         self.keep_on_close = keep_on_close
-        self.batch_group = manager.next_batch_group()
+        #: pipeline group; under ``pipeline_groups="auto"`` dealt when the chain is first routed
+        self.batch_group = None if manager.groups_follow_route else manager.next_batch_group()
+        self._group_dealt = not manager.groups_follow_route
         self.position = 0
         self.closed = False
         self._hops: list[_ServerSession] = []
@@ -363,6 +365,12 @@ class InferenceSession:
         return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=dim)
 
     # ------------------------------------------------------------------ internals
+    def _deal_group(self, chain_length: int) -> None:
+        """Under ``pipeline_groups="auto"``: the session's group, once, from its first route's length."""
+        if not self._group_dealt:
+            self.batch_group = self.manager.next_batch_group(chain_length)
+            self._group_dealt = True
+
     def _new_sub_id(self) -> str:
         self._sub_ids += 1
         return f"{self.session_id}" if self._sub_ids == 1 else f"{self.session_id}.{self._sub_ids}"
@@ -392,6 +400,7 @@ class InferenceSession:
         while True:
             try:
                 hops = await self.manager.make_route(start, end, cache_tokens_needed=self.max_length * self.batch_size)
+                self._deal_group(len(hops))
                 sessions = await self._open_hops(hops)
                 break
             except CALLER_ERRORS:
@@ -586,6 +595,7 @@ class InferenceSession:
             keep_on_close,
         )
         position = int(state["position"])
+        session._deal_group(len(state["hops"]))
         hops = [
             _ServerSession(
                 manager, RouteHop(h["peer_id"], h["start"], h["end"]), h["server_session_id"], session.batch_group

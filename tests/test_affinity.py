@@ -551,11 +551,12 @@ def own_redis() -> Iterator[RedisServer]:
 
 @pytest.fixture(scope="module")
 def replicas(affinity_swarm: Any, tiny_llama: str, own_redis: RedisServer) -> Iterator[dict[str, Gateway]]:
-    """Two gateway replicas (own uvicorn, own ``SwarmBackend``) on one Redis; a reference without reuse."""
+    """Two gateway replicas (own uvicorn, own ``SwarmBackend``) on one Redis; a reference without reuse.
+    Their clients deal sessions into pipeline groups as the CLI does ("auto"), resumed sessions included."""
     from gateway.swarm_backend import SwarmBackend
 
     peers = [affinity_swarm.swarm.initial_peers]
-    backends = [SwarmBackend(tiny_llama, peers, update_period=1.0) for _ in range(2)]
+    backends = [SwarmBackend(tiny_llama, peers, update_period=1.0, pipeline_groups="auto") for _ in range(2)]
     gws = {
         "a": start_gateway(backends[0], redis_url=own_redis.url, replica_id="replica-a"),
         "b": start_gateway(backends[1], redis_url=own_redis.url, replica_id="replica-b"),
@@ -596,6 +597,8 @@ def test_six_turn_chat_sends_only_new_tokens(
         assert text == _chat(ref, messages)[0], f"turn {turn + 1} differs from the answer without reuse"
         previous_prompt = usage.prompt_tokens
         messages.append({"role": "assistant", "content": text})
+    groups = set(gw.server.app.state.engine.decoder._groups)
+    assert groups and None not in groups  # fresh and resumed sessions alike were dealt into pipeline groups
 
 
 @pytest.mark.slow

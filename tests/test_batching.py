@@ -158,9 +158,27 @@ def test_pipeline_groups_batch_one_group_at_a_time(runner_and_layout):
         torch.testing.assert_close(out, runner.inference_step(cache, token, cache.position), atol=1e-4, rtol=0)
 
 
-@pytest.mark.parametrize("groups", [0, -1, 65, 1.5])
+@pytest.mark.parametrize("groups", [0, -1, 65, 1.5, True, "Auto", "2"])
 def test_pipeline_groups_out_of_range_are_refused_before_anything_starts(groups):
     from swarm_client.sequence_manager import ClientConfig, SequenceManager
 
     with pytest.raises(ValueError, match="pipeline_groups"):
         SequenceManager(ClientConfig([], "x", 4, pipeline_groups=groups))
+
+
+def test_pipeline_groups_are_dealt_round_robin_and_auto_follows_the_route():
+    """A fixed number of groups is dealt round-robin whatever the route; under "auto" a session's route
+    length is its number of groups, and a one-server route gets no group (splitting its batch gains nothing)."""
+    from swarm_client.sequence_manager import ClientConfig, SequenceManager
+
+    fixed = SequenceManager(ClientConfig([], "x", 4, pipeline_groups=3), dht=object())
+    assert not fixed.groups_follow_route
+    assert [fixed.next_batch_group(chain_length=n) for n in (1, 2, 5, 1, 1)] == [0, 1, 2, 0, 1]
+    single = SequenceManager(ClientConfig([], "x", 4), dht=object())
+    assert [single.next_batch_group(2) for _ in range(3)] == [None] * 3
+    auto = SequenceManager(ClientConfig([], "x", 4, pipeline_groups="auto"), dht=object())
+    assert auto.groups_follow_route
+    assert [auto.next_batch_group(2) for _ in range(4)] == [0, 1, 0, 1]
+    assert auto.next_batch_group(1) is None
+    assert [auto.next_batch_group(3) for _ in range(3)] == [1, 2, 0]  # one shared counter, modulo the route
+    assert auto.next_batch_group(1000) < 64  # capped at MAX_PIPELINE_GROUPS

@@ -16,10 +16,11 @@ from tests.swarm_fixtures import swarm
 pytestmark = pytest.mark.slow
 
 
-@pytest.mark.parametrize(("pipeline_groups", "step_bundles"), [(1, True), (2, True), (1, False)])
+@pytest.mark.parametrize(("pipeline_groups", "step_bundles"), [(1, True), ("auto", True), (1, False)])
 def test_concurrent_greedy_sessions_are_batched_and_exact(tiny_llama, local_llama, pipeline_groups, step_bundles):
-    """With ``pipeline_groups=2`` the servers batch each half of the sessions apart; with step bundles the
-    sessions' steps to one server travel together in one message per hop; outputs stay exact either way."""
+    """With ``pipeline_groups="auto"`` each session's route has 2 servers, so the sessions are dealt into 2
+    groups that the servers batch apart; with step bundles the sessions' steps to one server travel together
+    in one message per hop; outputs stay exact either way."""
     prompts = [
         torch.randint(0, 1000, (1, 3 + i), generator=torch.Generator().manual_seed(i)) for i in range(8)
     ]
@@ -32,10 +33,13 @@ def test_concurrent_greedy_sessions_are_batched_and_exact(tiny_llama, local_llam
         )
         try:
 
+            groups_dealt = []
+
             async def decode(prompt):
                 session = model.blocks.inference_session(max_length=32)
                 try:
                     out = await session.astep(model.head.embed(prompt))
+                    groups_dealt.append(session.batch_group)
                     tokens = []
                     for _ in range(12):
                         token = model.head.final(out[:, -1:]).argmax(-1)
@@ -59,7 +63,8 @@ def test_concurrent_greedy_sessions_are_batched_and_exact(tiny_llama, local_llam
                 assert all(b.bundles_sent < b.steps_sent for b in bundlers)
             else:
                 assert bundlers == [None, None]
-            if pipeline_groups > 1:
+            assert sorted(groups_dealt, key=str) == ([None] * 8 if pipeline_groups == 1 else [0] * 4 + [1] * 4)
+            if pipeline_groups != 1:
                 # a batch never mixes groups: at most the 4 sessions of one group
                 assert max(info["max_batch_seen"] for info in infos) <= 4
                 # a server refuses a group number out of range, and keeps serving

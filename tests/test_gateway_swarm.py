@@ -138,8 +138,9 @@ def test_greedy_identical_to_local_backend(swarm_gw: Gateway, local_gw: Gateway,
 
 @pytest.fixture(scope="module")
 def grouped_gw(the_swarm: Swarm, tiny_llama: str) -> Iterator[Gateway]:
-    """A second gateway over the same swarm whose client deals its sessions into 2 pipeline groups."""
-    backend = SwarmBackend(tiny_llama, [the_swarm.initial_peers], update_period=1.0, pipeline_groups=2)
+    """A second gateway over the same swarm whose client deals its sessions into pipeline groups, one per
+    server of their route ("auto", the CLI's default): 2 here."""
+    backend = SwarmBackend(tiny_llama, [the_swarm.initial_peers], update_period=1.0, pipeline_groups="auto")
     gw = start_gateway(backend)
     yield gw
     gw.server.stop()
