@@ -95,17 +95,14 @@ def _add_up(sub: argparse._SubParsersAction) -> None:
 def pipeline_groups_arg(text: str) -> int | str:
     """``--pipeline-groups``: "auto" or a number of groups in [1, MAX_PIPELINE_GROUPS]."""
     from swarm_client.protocol import MAX_PIPELINE_GROUPS
-    from swarm_client.sequence_manager import AUTO_GROUPS
+    from swarm_client.sequence_manager import AUTO_GROUPS, check_pipeline_groups
 
-    if text == AUTO_GROUPS:
-        return AUTO_GROUPS
     try:
-        groups = int(text)
-    except ValueError:
-        groups = 0
-    if not 1 <= groups <= MAX_PIPELINE_GROUPS:
-        raise argparse.ArgumentTypeError(f"expected 'auto' or a number in [1, {MAX_PIPELINE_GROUPS}], got {text!r}")
-    return groups
+        return check_pipeline_groups(text if text == AUTO_GROUPS else int(text))
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(
+            f"expected 'auto' or a number in [1, {MAX_PIPELINE_GROUPS}], got {text!r}"
+        ) from exc
 
 
 def _add_pipeline_flags(p: argparse.ArgumentParser) -> None:

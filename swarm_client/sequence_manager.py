@@ -32,6 +32,15 @@ logger = logging.getLogger(__name__)
 AUTO_GROUPS = "auto"
 
 
+def check_pipeline_groups(groups: object) -> int | str:
+    """``groups`` itself if it is a valid ``ClientConfig.pipeline_groups``; a ValueError otherwise."""
+    if groups == AUTO_GROUPS or (
+        isinstance(groups, int) and not isinstance(groups, bool) and 1 <= groups <= MAX_PIPELINE_GROUPS
+    ):
+        return groups  # type: ignore[return-value]
+    raise ValueError(f"pipeline_groups must be an int in [1, {MAX_PIPELINE_GROUPS}] or {AUTO_GROUPS!r}, got {groups!r}")
+
+
 @dataclass
 class ClientConfig:
     initial_peers: list[str]
@@ -73,13 +82,7 @@ class ClientConfig:
 
 class SequenceManager:
     def __init__(self, config: ClientConfig, dht: DHT | None = None):
-        groups = config.pipeline_groups
-        if groups != AUTO_GROUPS and (
-            not isinstance(groups, int) or isinstance(groups, bool) or not 1 <= groups <= MAX_PIPELINE_GROUPS
-        ):
-            raise ValueError(
-                f"pipeline_groups must be an int in [1, {MAX_PIPELINE_GROUPS}] or {AUTO_GROUPS!r}, got {groups!r}"
-            )
+        check_pipeline_groups(config.pipeline_groups)
         self.config = config
         if dht is None:  # validators: signed records are verified (and unwrapped) on every read
             validators = record_validators(config.dht_prefix, config.num_blocks)
