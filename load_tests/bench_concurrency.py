@@ -493,7 +493,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--pipeline-groups", type=pipeline_groups_arg, default="auto", metavar="auto|N",
         help="the gateway's client deals sessions into groups that servers batch apart (default auto: one per "
-        "server of a session's route, as swarmserve up does; 1: off)",
+        "server of a session's route, as swarmserve gateway and up do; 1: off)",
     )  # fmt: skip
     p.add_argument(
         "--no-batch-decode", dest="batch_decode", action="store_false",

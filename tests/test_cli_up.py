@@ -128,6 +128,23 @@ def _span(peer: str, start: int, end: int, state: ServerState = ServerState.ONLI
     return RemoteSpanInfo(peer, start, end, info)
 
 
+@pytest.mark.parametrize("command", ["gateway", "up"])
+def test_pipeline_groups_flag_is_auto_by_default_and_checked(command: str) -> None:
+    """``--pipeline-groups`` takes "auto" (the default: one group per server of a route) or 1..64."""
+    from gateway.cli import build_parser
+    from load_tests.bench_concurrency import parse_args
+
+    base = ["--model", "m"] + (["--initial-peers", "/ip4/127.0.0.1/tcp/1/p2p/x"] if command == "gateway" else [])
+    parser = build_parser()
+    assert parser.parse_args([command, *base]).pipeline_groups == "auto"
+    assert parser.parse_args([command, *base, "--pipeline-groups", "3"]).pipeline_groups == 3
+    for bad in ("0", "65", "two", "Auto"):
+        with pytest.raises(SystemExit):
+            parser.parse_args([command, *base, "--pipeline-groups", bad])
+    assert parse_args([]).pipeline_groups == "auto"
+    assert parse_args(["--pipeline-groups", "1"]).pipeline_groups == 1
+
+
 def test_render_status_flags_gaps() -> None:
     spans = {"peerA": _span("peerA", 0, 3), "peerB": _span("peerB", 3, 5, ServerState.JOINING)}
     text, missing = render_status("m", 6, spans)
