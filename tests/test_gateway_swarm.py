@@ -18,6 +18,7 @@ import openai
 import pytest
 
 from gateway import LocalBackend
+from gateway.engine import eos_token_ids
 from gateway.swarm_backend import SwarmBackend
 from tests.gateway_fixtures import Gateway, start_gateway
 from tests.swarm_fixtures import Swarm, swarm
@@ -216,6 +217,9 @@ def test_client_disconnect_frees_every_server_cache(swarm_gw: Gateway, the_swarm
         "max_tokens": 1500,
         "temperature": 0,
         "stream": True,
+        # the tiny model ends this reply with EOS after 50 tokens: banned, the stream is surely still running
+        # when the checks below run (before, a fast swarm could finish it between them, and keep its caches)
+        "logit_bias": {str(i): -100 for i in eos_token_ids(backend)},
     }
     with (
         httpx.Client(base_url=swarm_gw.url, timeout=30) as http,
