@@ -88,7 +88,7 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
         return self.blocks.manager
 
     def get_input_embeddings(self) -> torch.nn.Module:
-        return self.head.embed_tokens if hasattr(self.head, "embed_tokens") else self.head.word_embeddings
+        return self.head.embeddings
 
     def can_generate(self) -> bool:  # type: ignore[override]
         return True

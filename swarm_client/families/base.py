@@ -9,12 +9,13 @@ runs plain causal attention over ``hidden`` alone (stateless forward / backward)
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
-from typing import Protocol
+from typing import ClassVar, Protocol
 
 import torch
 from torch import nn
-from transformers import PretrainedConfig
+from transformers import AutoModelForCausalLM, PretrainedConfig
 
 KV = tuple[torch.Tensor, torch.Tensor]
 
@@ -31,21 +32,82 @@ class CacheLayout:
 
 
 class Head(nn.Module):
-    """The locally-run part of a model: embeddings before the blocks, final norm and LM head after."""
+    """The locally-run part of a model: embeddings (+ an optional norm) before the blocks, final norm and
+    LM head after. ``lm_head`` may share its weight with ``embeddings`` (tied: one tensor, see
+    ``headless_model``)."""
+
+    def __init__(self, embeddings: nn.Module, norm: nn.Module, lm_head: nn.Module, embed_norm: nn.Module | None = None):
+        super().__init__()
+        self.embeddings = embeddings
+        self.embed_norm = embed_norm
+        self.norm = norm
+        self.lm_head = lm_head
 
     def embed(self, input_ids: torch.LongTensor) -> torch.Tensor:
-        raise NotImplementedError
+        return self.embed_inputs(self.embeddings(input_ids))
 
     def embed_inputs(self, inputs_embeds: torch.Tensor) -> torch.Tensor:
-        """What the family's 🤗 model does to given ``inputs_embeds`` before the first block (identity)."""
-        return inputs_embeds
+        """What the family's 🤗 model does to given ``inputs_embeds`` before the first block: its embedding
+        norm if it has one (🤗 BLOOM applies it to given ``inputs_embeds`` too), else nothing."""
+        return inputs_embeds if self.embed_norm is None else self.embed_norm(inputs_embeds)
 
     def final(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final norm + LM head → logits."""
-        raise NotImplementedError
+        return self.lm_head(self.norm(hidden))
 
     def final_norm(self, hidden: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError
+        return self.norm(hidden)
+
+
+@dataclass(frozen=True)
+class HeadLayout:
+    """Where a family's head modules sit in its 🤗 CausalLM (dotted names); the LM head is ``lm_head``."""
+
+    embeddings: str
+    norm: str
+    embed_norm: str | None = None
+
+    def prefixes(self) -> list[str]:
+        """Checkpoint name prefixes of the head's tensors."""
+        names = [self.embeddings, self.embed_norm, self.norm, "lm_head"]
+        return [f"{name}." for name in names if name is not None]
+
+    def build(self, config: PretrainedConfig, tensors: dict[str, torch.Tensor]) -> Head:
+        """The head from checkpoint ``tensors`` (an absent ``lm_head`` of a tied model shares the embeddings)."""
+        model = headless_model(config, tensors, f"{self.embeddings}.weight")
+        embed_norm = None if self.embed_norm is None else model.get_submodule(self.embed_norm)
+        return Head(model.get_submodule(self.embeddings), model.get_submodule(self.norm), model.lm_head, embed_norm)
+
+
+def headless_model(config: PretrainedConfig, tensors: dict[str, torch.Tensor], embed_key: str) -> nn.Module:
+    """The family's 🤗 CausalLM with zero layers, holding exactly ``tensors`` (tied LM head resolved)."""
+    config = copy.deepcopy(config)
+    config.num_hidden_layers = 0
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    tensors = dict(tensors)
+    state_keys = set(model.state_dict().keys())
+    tied = getattr(config, "tie_word_embeddings", False)
+    lm_key = "lm_head.weight"
+    if lm_key in state_keys and lm_key not in tensors:
+        if not tied:
+            raise ValueError("checkpoint has no lm_head.weight and tie_word_embeddings is False")
+        tensors[lm_key] = tensors[embed_key]
+    load_module(model, {k: v for k, v in tensors.items() if k in state_keys}, "model head")
+    model.eval()
+    return model
+
+
+class HeadFromLayout:
+    """A family's ``head_prefixes`` and ``build_head`` (see ``Family``) from its class attribute ``head_layout``."""
+
+    head_layout: ClassVar[HeadLayout]
+
+    def head_prefixes(self, config: PretrainedConfig) -> list[str]:
+        return self.head_layout.prefixes()
+
+    def build_head(self, config: PretrainedConfig, tensors: dict[str, torch.Tensor]) -> Head:
+        return self.head_layout.build(config, tensors)
 
 
 class Family(Protocol):

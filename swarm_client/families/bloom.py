@@ -18,8 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import PretrainedConfig
 
-from swarm_client.families.base import KV, CacheLayout, Head, causal_mask, load_module, write_kv
-from swarm_client.families.llama import headless_model
+from swarm_client.families.base import KV, CacheLayout, HeadFromLayout, HeadLayout, causal_mask, load_module, write_kv
 
 
 def _modeling() -> ModuleType:
@@ -92,44 +91,18 @@ class BloomBlock(nn.Module):
         return layer.mlp(ln, residual)
 
 
-class BloomHead(Head):
-    """Embeddings *and their layernorm* before the blocks, ``ln_f`` + tied LM head after."""
-
-    def __init__(self, model: nn.Module):
-        super().__init__()
-        self.word_embeddings = model.transformer.word_embeddings
-        self.word_embeddings_layernorm = model.transformer.word_embeddings_layernorm
-        self.ln_f = model.transformer.ln_f
-        self.lm_head = model.lm_head
-
-    def embed(self, input_ids: torch.LongTensor) -> torch.Tensor:
-        return self.embed_inputs(self.word_embeddings(input_ids))
-
-    def embed_inputs(self, inputs_embeds: torch.Tensor) -> torch.Tensor:
-        # 🤗 BloomModel applies the layernorm to inputs_embeds too, whether it computed them or was given them
-        return self.word_embeddings_layernorm(inputs_embeds)
-
-    def final_norm(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.ln_f(hidden)
-
-    def final(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(self.ln_f(hidden))
-
-
-class BloomFamily:
+class BloomFamily(HeadFromLayout):
     name = "bloom"
     model_types = ("bloom",)
+    # 🤗 BloomModel applies the embedding layernorm to inputs_embeds too, whether it computed them or not
+    head_layout = HeadLayout(
+        embeddings="transformer.word_embeddings",
+        norm="transformer.ln_f",
+        embed_norm="transformer.word_embeddings_layernorm",
+    )
 
     def layer_prefix(self, index: int) -> str:
         return f"transformer.h.{index}."
-
-    def head_prefixes(self, config: PretrainedConfig) -> list[str]:
-        return [
-            "transformer.word_embeddings.",
-            "transformer.word_embeddings_layernorm.",
-            "transformer.ln_f.",
-            "lm_head.",
-        ]
 
     def cache_layout(self, config: PretrainedConfig) -> CacheLayout:
         return CacheLayout(config.n_head, config.hidden_size // config.n_head)
@@ -142,6 +115,3 @@ class BloomFamily:
             layer = _modeling().BloomBlock(config, layer_idx=index)
         load_module(layer, tensors, f"block {index}")
         return BloomBlock(layer, config).eval()
-
-    def build_head(self, config: PretrainedConfig, tensors: dict[str, torch.Tensor]) -> Head:
-        return BloomHead(headless_model(config, tensors))

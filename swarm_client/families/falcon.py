@@ -26,8 +26,8 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import PretrainedConfig
 
-from swarm_client.families.base import KV, CacheLayout, Head, causal_mask, load_module, write_kv
-from swarm_client.families.llama import RotaryTable, attend, headless_model, rotate_half
+from swarm_client.families.base import KV, CacheLayout, HeadFromLayout, HeadLayout, causal_mask, load_module, write_kv
+from swarm_client.families.llama import RotaryTable, attend, rotate_half
 
 
 def _modeling() -> ModuleType:
@@ -138,32 +138,13 @@ class FalconBlock(nn.Module):
         return residual + mlp_out
 
 
-class FalconHead(Head):
-    def __init__(self, model: nn.Module):
-        super().__init__()
-        self.word_embeddings = model.transformer.word_embeddings
-        self.ln_f = model.transformer.ln_f
-        self.lm_head = model.lm_head
-
-    def embed(self, input_ids: torch.LongTensor) -> torch.Tensor:
-        return self.word_embeddings(input_ids)
-
-    def final_norm(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.ln_f(hidden)
-
-    def final(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(self.ln_f(hidden))
-
-
-class FalconFamily:
+class FalconFamily(HeadFromLayout):
     name = "falcon"
     model_types = ("falcon",)
+    head_layout = HeadLayout(embeddings="transformer.word_embeddings", norm="transformer.ln_f")
 
     def layer_prefix(self, index: int) -> str:
         return f"transformer.h.{index}."
-
-    def head_prefixes(self, config: PretrainedConfig) -> list[str]:
-        return ["transformer.word_embeddings.", "transformer.ln_f.", "lm_head."]
 
     def cache_layout(self, config: PretrainedConfig) -> CacheLayout:
         return CacheLayout(num_kv_heads(config), config.hidden_size // config.num_attention_heads)
@@ -180,6 +161,3 @@ class FalconFamily:
         load_module(layer, tensors, f"block {index}")
         rotary = None if config.alibi else module.FalconRotaryEmbedding(config)
         return FalconBlock(layer, rotary).eval()
-
-    def build_head(self, config: PretrainedConfig, tensors: dict[str, torch.Tensor]) -> Head:
-        return FalconHead(headless_model(config, tensors))

@@ -5,14 +5,12 @@ Mistral and Qwen2 may attend within a sliding window; ``sliding_window(config, i
 
 from __future__ import annotations
 
-import copy
-
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers import AutoModelForCausalLM, PretrainedConfig
+from transformers import PretrainedConfig
 
-from swarm_client.families.base import KV, CacheLayout, Head, load_module, window_mask, write_kv
+from swarm_client.families.base import KV, CacheLayout, HeadFromLayout, HeadLayout, load_module, window_mask, write_kv
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -82,45 +80,6 @@ class LlamaBlock(nn.Module):
         return hidden + self.layer.mlp(self.layer.post_attention_layernorm(hidden))
 
 
-class LlamaHead(Head):
-    def __init__(self, model: nn.Module):
-        super().__init__()
-        self.embed_tokens = model.model.embed_tokens
-        self.norm = model.model.norm
-        self.lm_head = model.lm_head
-
-    def embed(self, input_ids: torch.LongTensor) -> torch.Tensor:
-        return self.embed_tokens(input_ids)
-
-    def final_norm(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.norm(hidden)
-
-    def final(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(self.norm(hidden))
-
-
-def headless_model(config: PretrainedConfig, tensors: dict[str, torch.Tensor]) -> nn.Module:
-    """The family's 🤗 CausalLM with zero layers, holding exactly ``tensors`` (tied LM head resolved)."""
-    config = copy.deepcopy(config)
-    config.num_hidden_layers = 0
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
-    tensors = dict(tensors)
-    state_keys = set(model.state_dict().keys())
-    tied = getattr(config, "tie_word_embeddings", False)
-    lm_key = "lm_head.weight"
-    if lm_key in state_keys and lm_key not in tensors:
-        if not tied:
-            raise ValueError("checkpoint has no lm_head.weight and tie_word_embeddings is False")
-        embed_key = next(
-            k for k in tensors if k.endswith("embed_tokens.weight") or k.endswith("word_embeddings.weight")
-        )
-        tensors[lm_key] = tensors[embed_key]
-    load_module(model, {k: v for k, v in tensors.items() if k in state_keys}, "model head")
-    model.eval()
-    return model
-
-
 def sliding_window(config: PretrainedConfig, index: int) -> int | None:
     """The attention window 🤗 uses in layer ``index``, or None for full causal attention.
 
@@ -138,15 +97,13 @@ def sliding_window(config: PretrainedConfig, index: int) -> int | None:
     return int(window)
 
 
-class LlamaFamily:
+class LlamaFamily(HeadFromLayout):
     name = "llama"
     model_types = ("llama", "mistral", "qwen2")
+    head_layout = HeadLayout(embeddings="model.embed_tokens", norm="model.norm")
 
     def layer_prefix(self, index: int) -> str:
         return f"model.layers.{index}."
-
-    def head_prefixes(self, config: PretrainedConfig) -> list[str]:
-        return ["model.embed_tokens.", "model.norm.", "lm_head."]
 
     def cache_layout(self, config: PretrainedConfig) -> CacheLayout:
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
@@ -170,6 +127,3 @@ class LlamaFamily:
         load_module(layer, tensors, f"block {index}")
         # the rotary table stays float32 whatever the weights' dtype, as in 🤗 (inv_freq is not a weight)
         return LlamaBlock(layer, rotary_cls(config), sliding_window(config, index)).eval()
-
-    def build_head(self, config: PretrainedConfig, tensors: dict[str, torch.Tensor]) -> Head:
-        return LlamaHead(headless_model(config, tensors))
