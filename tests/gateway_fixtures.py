@@ -1,9 +1,14 @@
-"""Shared pieces of the gateway tests: one tiny model, one real uvicorn server over it, test backends.
+"""Shared pieces of the gateway tests: one tiny model, one real uvicorn server over it, test backends, and
+the helpers that read what a gateway answered.
 
 The server is started once per test process (``shared_gateway()``) and stopped at exit; each test module
 wraps it in a module fixture. It runs uvicorn in a thread on a pre-bound free port, serving
 ``LocalBackend`` over a random tiny Llama (``swarm_client.tiny_model``) wrapped in ``InstrumentedBackend``,
 which counts sessions and can slow down or break steps on demand.
+
+Readers: ``collect_stream`` (an SDK stream → text, finish reason and usage chunks per choice), ``chat``
+(one greedy chat turn → text, usage), ``chat_prompt_ids`` + ``greedy_reference`` (what a gateway must answer,
+computed with plain 🤗 ``transformers`` from the same checkpoint).
 """
 
 from __future__ import annotations
@@ -45,6 +50,73 @@ def tiny_tokenizer() -> Any:
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(tiny_model_dir())
+
+
+# ------------------------------------------------------------------------------ what the gateway must say
+
+
+@functools.lru_cache(maxsize=4)
+def _reference(model_dir: str) -> tuple[Any, Any]:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    return model, AutoTokenizer.from_pretrained(model_dir)
+
+
+def chat_prompt_ids(messages: list[dict], model_dir: str | Path | None = None) -> list[int]:
+    """``messages`` rendered by the model's own chat template (generation prompt added), as token ids."""
+    _, tokenizer = _reference(str(model_dir or tiny_model_dir()))
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+
+@dataclass(frozen=True)
+class Greedy:
+    """A greedy continuation computed with 🤗 ``transformers``: what a gateway at temperature 0 must send."""
+
+    token_ids: list[int]  # the EOS included when it ended on one (it counts as a completion token)
+    logprobs: list[float]  # of every token but the EOS, as ``logprobs=True`` reports them
+    text: str
+    finish_reason: str
+
+
+def greedy_reference(prompt_ids: list[int], max_tokens: int, model_dir: str | Path | None = None) -> Greedy:
+    """Argmax decoding of ``prompt_ids`` with the local model (default: the tiny model), stopping at an EOS
+    of the tokenizer or the generation config, as the gateway does."""
+    model, tokenizer = _reference(str(model_dir or tiny_model_dir()))
+    eos = {tokenizer.eos_token_id}
+    configured = model.generation_config.eos_token_id
+    eos |= set(configured) if isinstance(configured, list) else {configured}
+    ids, out, logprobs = list(prompt_ids), [], []
+    with torch.no_grad():
+        for _ in range(max_tokens):
+            lp = torch.log_softmax(model(torch.tensor([ids])).logits[0, -1].float(), dim=-1)
+            token = int(lp.argmax())
+            ids.append(token)
+            out.append(token)
+            if token in eos:
+                return Greedy(out, logprobs, tokenizer.decode(out[:-1], skip_special_tokens=True), "stop")
+            logprobs.append(float(lp[token]))
+    return Greedy(out, logprobs, tokenizer.decode(out, skip_special_tokens=True), "length")
+
+
+def collect_stream(stream: Any) -> tuple[dict[int, str], dict[int, str], list[Any]]:
+    """An OpenAI SDK stream (chat or completions) → text per choice index, finish reason per choice index
+    (asserting each is sent once), and the chunks without choices (``include_usage``'s)."""
+    texts: dict[int, str] = {}
+    finishes: dict[int, str] = {}
+    usage_chunks = []
+    for chunk in stream:
+        if not chunk.choices:
+            usage_chunks.append(chunk)
+        for c in chunk.choices:
+            delta = getattr(c, "delta", None)
+            piece = delta.content if delta is not None else c.text
+            texts[c.index] = texts.get(c.index, "") + (piece or "")
+            if c.finish_reason is not None:
+                assert c.index not in finishes, "finish_reason sent twice"
+                finishes[c.index] = c.finish_reason
+    return texts, finishes, usage_chunks
 
 
 class InstrumentedSession:
@@ -186,6 +258,30 @@ class Gateway:
 
     def http(self) -> httpx.Client:
         return httpx.Client(base_url=self.url, timeout=REQUEST_TIMEOUT_S)
+
+
+#: a conversation of six turns, for the tests that continue chats
+QUESTIONS = [
+    "Tell me about the swarm.",
+    "Which server holds the first blocks?",
+    "And what happens when one of them leaves?",
+    "How long are caches kept?",
+    "Can another gateway continue this chat?",
+    "Thanks, summarize it please.",
+]
+
+
+def conversation(tag: str) -> list[dict]:
+    """A system message that makes each test's conversation its own (no prefix shared across tests)."""
+    return [{"role": "system", "content": f"[{tag}] You answer questions about swarms."}]
+
+
+def chat(gw: Gateway, messages: list[dict], max_tokens: int = 12, **kw: Any) -> tuple[str, Any]:
+    """One greedy chat turn through the SDK: (the reply's text, usage)."""
+    r = gw.client().chat.completions.create(
+        model=gw.model, messages=messages, max_tokens=max_tokens, temperature=0, **kw
+    )
+    return r.choices[0].message.content or "", r.usage
 
 
 def start_gateway(backend: Any, **settings: Any) -> Gateway:

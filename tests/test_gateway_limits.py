@@ -8,10 +8,6 @@ offline tiktoken counter, the key file).
 from __future__ import annotations
 
 import base64
-import os
-import shutil
-import socket
-import subprocess
 import threading
 import time
 import uuid
@@ -36,6 +32,7 @@ from gateway.ratelimit import (
     estimate_tokens,
     wait_seconds,
 )
+from tests.conftest import free_port
 from tests.gateway_fixtures import (
     REQUEST_TIMEOUT_S,
     Gateway,
@@ -73,46 +70,6 @@ def guarded(backend: InstrumentedBackend) -> Iterator[Gateway]:
     )
     yield gw
     gw.server.stop()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-@pytest.fixture(scope="module")
-def redis_url() -> Iterator[str]:
-    """The harness's redis-server (``REDIS_URL``), else one started here on a free port."""
-    import redis
-
-    if os.environ.get("REDIS_URL"):
-        yield os.environ["REDIS_URL"]
-        return
-    exe = shutil.which("redis-server")
-    if exe is None:
-        pytest.skip("needs a real Redis: set REDIS_URL or put redis-server on PATH")
-    port = _free_port()
-    proc = subprocess.Popen(
-        [exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    url = f"redis://127.0.0.1:{port}/0"
-    try:
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                redis.Redis.from_url(url, socket_timeout=1).ping()
-                break
-            except redis.ConnectionError:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    raise
-                time.sleep(0.05)
-        yield url
-    finally:
-        proc.terminate()
-        proc.wait(5)
 
 
 def _auth(key: str = KEY) -> dict[str, str]:
@@ -357,7 +314,7 @@ def test_token_limit_counts_prompt_and_max_tokens(replicas: tuple[Gateway, Gatew
 
 
 async def test_limits_fall_back_to_memory_when_redis_is_down() -> None:
-    limiter = RateLimiter(2, redis_url=f"redis://127.0.0.1:{_free_port()}/0")
+    limiter = RateLimiter(2, redis_url=f"redis://127.0.0.1:{free_port()}/0")
     try:
         decisions = [await limiter.check("key:a", 0) for _ in range(3)]
     finally:
@@ -492,7 +449,7 @@ def test_worker_metrics_port(tiny_llama: str) -> None:
     from swarm_client import AutoDistributedModelForCausalLM
     from tests.swarm_fixtures import swarm
 
-    port = _free_port()
+    port = free_port()
     with swarm(tiny_llama, ["0:4"], "--metrics-port", str(port), "--cache-tokens", "4096") as s:
         line = s.workers[0].wait_for("worker metrics:", timeout=30)
         url = line.split("worker metrics:", 1)[1].strip()
