@@ -4,7 +4,8 @@ The caller owns the backend (creates it before, closes it after); the app only k
 The app owns its session-affinity store (``app.state.affinity``: Redis with ``settings.redis_url``, else in
 memory; None with ``settings.affinity`` off) and closes it at shutdown.
 Middleware, outermost first: CORS → ``RequestContextMiddleware`` (x-request-id on every response, and the
-500 envelope for anything unexpected) → ``metrics.MetricsMiddleware`` → the admission chain of
+500 envelope for anything unexpected) → ``metrics.MetricsMiddleware`` (Prometheus metrics and the access
+log line of every request, ``gateway/access_log.py``) → the admission chain of
 ``limits.install_limits`` (auth, body size, rate limits, stream slots) → Starlette's exception handlers
 (``errors.install_error_handlers``).
 """

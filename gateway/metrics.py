@@ -10,7 +10,8 @@ Where the numbers come from:
   from the JSON envelope of a >= 400 response, or from a ``data: {"error": ...}`` frame of a stream that
   failed after its 200; the number of SSE responses in flight (``active_streams``).
 - ``Engine`` (``gateway/engine.py``), once per choice: time to first token, inter-token latency, and
-  ``observe_usage(prompt, completion, cached)`` — the one call that counts tokens and prefix-cache hits.
+  ``observe_usage(prompt, completion, cached)`` — the one call that counts tokens and prefix-cache hits
+  (for the counters, and for the access log line of the request it runs in).
 - ``StreamSlots`` (``gateway/limits.py``): streams waiting for a slot.
 """
 
@@ -34,6 +35,8 @@ from prometheus_client import (
 from starlette.datastructures import Headers
 from starlette.routing import Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from gateway.access_log import count_choice, end_tally, log_request, start_tally
 
 logger = logging.getLogger(__name__)
 
@@ -116,7 +119,9 @@ class GatewayMetrics:
 
     def observe_usage(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> None:
         """Count one choice's tokens; ``cached_tokens`` (its ``prompt_tokens_details.cached_tokens``) > 0 is
-        a prefix-cache hit. The engine calls this once per choice — pass the reused prefix length there."""
+        a prefix-cache hit. The engine calls this once per choice — pass the reused prefix length there.
+        The choice also counts in its request's access log line."""
+        count_choice(prompt_tokens, completion_tokens, cached_tokens)
         self.prompt_tokens.inc(max(0, prompt_tokens))
         self.completion_tokens.inc(max(0, completion_tokens))
         if cached_tokens > 0:
@@ -169,7 +174,8 @@ def _error_code(payload: Any) -> str | None:
 
 class MetricsMiddleware:
     """Counts every HTTP request by route and final status, its duration, its error code, and SSE
-    responses in flight; the response passes through untouched (error bodies are copied, not held)."""
+    responses in flight, and writes its access log line; the response passes through untouched (error
+    bodies are copied, not held)."""
 
     def __init__(self, app: ASGIApp, metrics: GatewayMetrics):
         self.app = app
@@ -184,6 +190,7 @@ class MetricsMiddleware:
         status = 500  # what the client gets when the app raises before answering
         streaming = False
         error_body: bytearray | None = None
+        tally, tally_token = start_tally()
 
         async def send_counted(message: Message) -> None:
             nonlocal status, streaming, error_body
@@ -209,12 +216,15 @@ class MetricsMiddleware:
             m.observe_error("internal_error")  # the 500 envelope is written outside this middleware
             raise
         finally:
+            end_tally(tally_token)
+            duration_s = time.perf_counter() - started_at
             if streaming:
                 m.active_streams.dec()
             route = route_label(scope)
             method = scope.get("method", "")
             m.requests.labels(route, method if method in _METHODS else "OTHER", str(status)).inc()
-            m.request_duration.labels(route).observe(time.perf_counter() - started_at)
+            m.request_duration.labels(route).observe(duration_s)
+            log_request(scope, status, tally, duration_s)
             if error_body:
                 try:
                     code = _error_code(json.loads(error_body))
