@@ -20,16 +20,62 @@ from hivemind.proto import runtime_pb2
 
 from swarm_client import protocol
 from swarm_client.errors import InvalidInputError, RemoteError, SessionNotFoundError, error_to_wire
-from swarm_client.protocol import MAX_BUNDLES_IN_FLIGHT
-from worker.handler import BlockHandler
+from swarm_client.protocol import MAX_BUNDLE_STEPS, MAX_BUNDLES_IN_FLIGHT
+from worker.inference import InferenceStreams
+from worker.wire import internal_error, wire_error
 
 logger = logging.getLogger(__name__)
+
+
+class StepBundles(InferenceStreams):
+    """``rpc_steps`` on one handler, and the per-step work a bundle hands to whichever handler holds the session;
+    mixed into ``BlockHandler``."""
+
+    async def rpc_steps(
+        self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
+    ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
+        """Bundled steps of one client's sessions (``protocol``, ``serve_step_bundles``)."""
+        async for response in serve_step_bundles(requests, context, lambda: [self]):
+            yield response
+
+    def parse_bundle(self, request: runtime_pb2.ExpertRequest) -> tuple[dict, list[dict], list[torch.Tensor]]:
+        """A bundle's metadata, steps and hidden states, checked as any step's tensors are."""
+        metadata = self._unpack(request.metadata)
+        steps = metadata.get("steps")
+        if not isinstance(steps, list) or not 1 <= len(steps) <= MAX_BUNDLE_STEPS:
+            raise InvalidInputError(f"'steps' must be a list of 1 to {MAX_BUNDLE_STEPS} steps")
+        if len(request.tensors) != len(steps) or not all(isinstance(step, dict) for step in steps):
+            raise InvalidInputError(
+                "a bundle needs one tensor and one dict per step; "
+                f"got {len(request.tensors)} tensors for {len(steps)} steps"
+            )
+        return metadata, steps, self._deserialize(request.tensors, max_count=len(steps))
+
+    async def bundled_step(
+        self, step: dict, hidden: torch.Tensor, owner: str | None
+    ) -> tuple[torch.Tensor | None, dict]:
+        """One step of a bundle, on a session the same peer holds open here; its error stays its own."""
+        try:
+            session_id = step.get("session_id")
+            cache = self.caches.sessions.get(session_id) if isinstance(session_id, str) else None
+            if cache is None or not self.holds_stream(session_id) or cache.owner != owner:
+                raise SessionNotFoundError(
+                    f"no open inference stream of yours holds session {str(session_id)[:80]!r} here; "
+                    "open it with rpc_inference before bundling its steps"
+                )
+            out, position = await self._step(cache, [hidden], step)
+            return out, {"position": position}
+        except (RemoteError, ValueError) as e:
+            return None, {"error": self._wire_error(e)}
+        except Exception as e:  # never let one session take the server down
+            logger.exception("bundled step failed")
+            return None, {"error": internal_error(e)}
 
 
 async def serve_step_bundles(
     requests: AsyncIterator[runtime_pb2.ExpertRequest],
     context: P2PContext,
-    handlers: Callable[[], Sequence[BlockHandler]],
+    handlers: Callable[[], Sequence[StepBundles]],
 ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
     """Answer every bundle of one client's stream; ``handlers()``: the server's handlers, current first."""
     owner = context.remote_id.to_base58() if context.remote_id is not None else None
@@ -69,12 +115,11 @@ def _bundle_error(request: runtime_pb2.ExpertRequest, error: Exception) -> runti
         bundle_id = protocol.unpack_metadata(request.metadata).get("bundle_id")
     except Exception:
         bundle_id = None
-    wire = error_to_wire(error if isinstance(error, RemoteError) else InvalidInputError(str(error)))
-    return protocol.make_response(error=wire, bundle_id=bundle_id)
+    return protocol.make_response(error=wire_error(error), bundle_id=bundle_id)
 
 
 async def _run_bundle(
-    request: runtime_pb2.ExpertRequest, owner: str | None, handlers: Sequence[BlockHandler]
+    request: runtime_pb2.ExpertRequest, owner: str | None, handlers: Sequence[StepBundles]
 ) -> runtime_pb2.ExpertResponse:
     try:
         metadata, steps, tensors = handlers[0].parse_bundle(request)
@@ -90,7 +135,7 @@ async def _run_bundle(
 
 
 async def _one_step(
-    step: dict, hidden: torch.Tensor, owner: str | None, handlers: Sequence[BlockHandler]
+    step: dict, hidden: torch.Tensor, owner: str | None, handlers: Sequence[StepBundles]
 ) -> tuple[torch.Tensor | None, dict]:
     session_id = step.get("session_id")
     handler = next((h for h in handlers if isinstance(session_id, str) and h.holds_stream(session_id)), None)

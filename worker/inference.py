@@ -1,0 +1,238 @@
+"""Inference streams: one session per stream, its KV cache, and each step through the batcher.
+
+The first message opens (or resumes) a session; every later one is a step, a ``close``, or nothing for
+``idle_timeout`` seconds. Steps arrive from the client and, pushed by the previous server of the chain
+(``worker.push``), through the stream's inbox; a step's second copy (same ``step_id``) is dropped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections import deque
+from typing import AsyncIterator  # noqa: UP035 - hivemind detects streams by typing.AsyncIterator only
+
+import torch
+from hivemind.p2p import P2PContext
+from hivemind.proto import runtime_pb2
+
+from swarm_client import protocol
+from swarm_client.errors import InvalidInputError, LengthExceededError, RemoteError
+from swarm_client.protocol import MAX_PIPELINE_GROUPS
+from worker.batcher import StepBatcher
+from worker.cache import CacheManager, SessionCache
+from worker.compute import StepItem
+from worker.metrics import WorkerMetrics
+from worker.push import PushStream, ServerPush
+from worker.wire import internal_error
+
+logger = logging.getLogger(__name__)
+#: how many recent step ids a stream remembers to drop the second copy of a step (push + client copy)
+_REMEMBERED_STEPS = 16
+
+
+class InferenceStreams(ServerPush):
+    """``rpc_inference`` and the session steps behind it, mixed into ``BlockHandler``."""
+
+    caches: CacheManager
+    batcher: StepBatcher
+    accepting: bool
+    fault: str | None
+    fault_after: int
+    tokens_processed: int
+    inference_steps: int
+    active_streams: int
+    metrics: WorkerMetrics | None
+    pushes_used: int
+    #: compute time of the latest step (set by ``_step``)
+    last_step_seconds: float
+
+    async def rpc_inference(
+        self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
+    ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
+        """One session's stream. Steps come from the client or, pushed by the previous server of the
+        chain, through ``rpc_push``; both land in one inbox, and a step's second copy (same ``step_id``)
+        is dropped, so the client gets exactly one answer per step, from whichever copy came first."""
+        owner = context.remote_id.to_base58() if context.remote_id is not None else None
+        cache: SessionCache | None = None
+        keep = False
+        inbox: asyncio.Queue = asyncio.Queue()
+        pushes: dict[str, PushStream] = {}
+        pump: asyncio.Task | None = None
+        self.active_streams += 1
+        try:
+            try:
+                first = await asyncio.wait_for(anext(requests), self.limits.idle_timeout)
+                cache = self._open_session(self._unpack(first.metadata), owner)
+            except (RemoteError, ValueError) as e:
+                yield protocol.make_response(error=self._wire_error(e))
+                return
+            except (TimeoutError, StopAsyncIteration):
+                return
+            yield protocol.make_response(position=cache.position, session_id=cache.session_id)
+            pump = asyncio.create_task(self._pump(requests, inbox))
+            self._inboxes[cache.session_id] = inbox
+            recent: deque[str] = deque(maxlen=_REMEMBERED_STEPS)
+
+            while True:
+                try:
+                    async with asyncio.timeout(self.limits.idle_timeout):  # cheaper than wait_for per step
+                        source, message = await inbox.get()
+                except TimeoutError:
+                    if time.monotonic() - cache.last_used < self.limits.idle_timeout:
+                        continue  # kept busy by bundled steps (rpc_steps), which do not pass this stream
+                    logger.info("session %s idle for %.0fs; closing it", cache.session_id, self.limits.idle_timeout)
+                    break
+                if source == "end":
+                    break
+                if source == "push":
+                    response = await self._pushed_step(cache, message, recent, pushes)
+                    if response is not None:
+                        yield response
+                    continue
+                step_id = None
+                try:
+                    metadata = self._unpack(message.metadata)
+                    if "close" in metadata:
+                        keep = bool(metadata["close"].get("keep", False))
+                        break
+                    step_id = metadata.get("step_id")
+                    if step_id is not None and step_id in recent:
+                        continue  # already answered from the pushed copy
+                    tensors = self._deserialize(message.tensors, max_count=1)
+                    if step_id is not None:
+                        recent.append(step_id)
+                    out, position = await self._step(cache, tensors, metadata)
+                    self._push_next(out, metadata, pushes)
+                    yield self._step_response(out, position, metadata)
+                except (RemoteError, ValueError) as e:
+                    yield protocol.make_response(error=self._wire_error(e), step_id=step_id)
+                except Exception as e:  # never let one session take the server down
+                    logger.exception("inference step failed")
+                    yield protocol.make_response(error=internal_error(e), step_id=step_id)
+        finally:
+            self.active_streams -= 1
+            if pump is not None:
+                pump.cancel()
+            for stream in pushes.values():
+                stream.close()
+            if cache is not None:
+                if self._inboxes.get(cache.session_id) is inbox:
+                    del self._inboxes[cache.session_id]
+                self.batcher.forget(cache.session_id)
+                self.caches.release(cache.session_id, keep=keep)
+
+    def holds_stream(self, session_id: str) -> bool:
+        """Whether an open inference stream here holds ``session_id`` (pushes and bundles need one)."""
+        return session_id in self._inboxes
+
+    def _open_session(self, metadata: dict, owner: str | None) -> SessionCache:
+        spec = metadata.get("open")
+        if not isinstance(spec, dict):
+            raise InvalidInputError("the first message of an inference stream must be {'open': {...}}")
+        if not self.accepting:
+            raise RemoteError("server is shutting down; open the session elsewhere")
+        session_id = str(spec.get("session_id") or uuid.uuid4().hex)
+        if spec.get("resume"):
+            return self.caches.resume(session_id, owner)
+        start, end = self._blocks(spec)
+        batch_size, max_length = spec.get("batch_size", 1), spec.get("max_length")
+        if not isinstance(batch_size, int) or not 1 <= batch_size <= self.limits.max_batch_size:
+            raise InvalidInputError(
+                f"batch_size must be an int in [1, {self.limits.max_batch_size}], got {batch_size!r}"
+            )
+        if not isinstance(max_length, int) or max_length < 1:
+            raise InvalidInputError(f"max_length must be a positive int, got {max_length!r}")
+        cache = self.caches.open(session_id, batch_size, max_length, owner=owner, num_layers=end - start)
+        cache.blocks = self._relative(start, end)
+        return cache
+
+    async def _step(self, cache: SessionCache, tensors: list[torch.Tensor], metadata: dict) -> tuple[torch.Tensor, int]:
+        (hidden,) = self._check_hidden(tensors)
+        if hidden.shape[0] != cache.batch_size:
+            raise InvalidInputError(f"batch size {hidden.shape[0]} does not match the session's {cache.batch_size}")
+        position = metadata.get("position", cache.position)
+        if not isinstance(position, int) or not 0 <= position <= cache.position:
+            raise InvalidInputError(f"position {position!r} must be an int in [0, {cache.position}] (cached tokens)")
+        group = metadata.get("batch_group")
+        if group is not None:
+            if not isinstance(group, int) or isinstance(group, bool) or not 0 <= group < MAX_PIPELINE_GROUPS:
+                raise InvalidInputError(f"batch_group must be an int in [0, {MAX_PIPELINE_GROUPS}), got {group!r}")
+            cache.batch_group = group
+        length = hidden.shape[1]
+        if position + length > cache.max_length:
+            raise LengthExceededError(
+                f"step of {length} tokens at position {position} exceeds the session's max_length {cache.max_length}"
+            )
+        async with cache.lock:
+            cache.touch()
+            cache.position = position  # rolls back when position < cached tokens
+            self.caches.ensure_capacity(cache, position + length)
+            t0 = time.perf_counter()
+            out = await self.batcher.submit(
+                StepItem(cache, hidden, position, bool(metadata.get("output_hidden_states")))
+            )
+            self.last_step_seconds = time.perf_counter() - t0
+        self.tokens_processed += length * hidden.shape[0]
+        self.inference_steps += 1
+        if self.metrics is not None:
+            self.metrics.observe_step("inference", self.last_step_seconds, length * hidden.shape[0])
+        if self.fault is not None and self.inference_steps > self.fault_after:
+            out = await self._inject_fault(out)
+        return out, cache.position
+
+    async def _pushed_step(
+        self,
+        cache: SessionCache,
+        pushed: tuple[list[torch.Tensor], dict],
+        recent: deque[str],
+        pushes: dict[str, PushStream],
+    ) -> runtime_pb2.ExpertResponse | None:
+        """Run a step the previous server pushed. Any problem with it is silently dropped: the client's
+        own copy of the step follows and is answered (or refused) the normal way."""
+        tensors, metadata = pushed
+        step_id = metadata.get("step_id")
+        if not isinstance(step_id, str) or step_id in recent:
+            return None
+        try:
+            out, position = await self._step(cache, tensors, metadata)
+        except Exception as e:
+            logger.debug("dropped a pushed step of session %s: %r", cache.session_id, e)
+            return None
+        recent.append(step_id)
+        self.pushes_used += 1
+        self._push_next(out, metadata, pushes)
+        return self._step_response(out, position, metadata)
+
+    async def _inject_fault(self, out: torch.Tensor) -> torch.Tensor:
+        """Misbehave on purpose (``--fault``) so clients' failover can be tested against a real process."""
+        if self.fault == "nan":
+            return torch.full_like(out, float("nan"))
+        if self.fault == "wrong-shape":
+            return out[..., :-1]
+        if self.fault == "noise":  # finite, right shape, wrong values: only a spot check can tell
+            return out + 0.5 * out.std() * torch.randn_like(out)
+        if self.fault == "hang":
+            await asyncio.Event().wait()
+        return out
+
+    @staticmethod
+    async def _pump(requests: AsyncIterator[runtime_pb2.ExpertRequest], inbox: asyncio.Queue) -> None:
+        """Move the client's messages into the stream's inbox (where pushed steps also arrive)."""
+        try:
+            async for request in requests:
+                inbox.put_nowait(("client", request))
+        except Exception as e:  # a broken stream ends the session like a closed one
+            logger.debug("inference stream broke: %r", e)
+        inbox.put_nowait(("end", None))
+
+    @staticmethod
+    def _step_response(out: torch.Tensor, position: int, metadata: dict) -> runtime_pb2.ExpertResponse:
+        return protocol.make_response(
+            [out],
+            compression=metadata.get("compression_out", metadata.get("compression", "none")),
+            position=position,
+            step_id=metadata.get("step_id"),
+        )

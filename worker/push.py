@@ -1,0 +1,129 @@
+"""Server-to-server push: a step's output sent straight on to the next server of the client's chain.
+
+The client names the chain (``push_chain`` in a step's metadata); this server forwards its output to the
+first server of it over a long-lived ``rpc_push`` stream, and the receiving server queues each pushed step
+into its session's inbox, where ``worker.inference`` runs it unless the client's own copy came first.
+Pushing only saves a hop: every failure here is counted and dropped, never answered.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+from typing import AsyncIterator  # noqa: UP035 - hivemind detects streams by typing.AsyncIterator only
+
+import torch
+from hivemind.p2p import P2PContext
+from hivemind.proto import runtime_pb2
+
+from swarm_client import protocol
+from swarm_client.errors import RemoteError
+from worker.wire import WireChecks
+
+logger = logging.getLogger(__name__)
+#: streams push messages to a peer until they end (set by the server, which owns the p2p daemon)
+PushSender = Callable[[str, AsyncIterator[runtime_pb2.ExpertRequest]], Awaitable[None]]
+
+
+class ServerPush(WireChecks):
+    """Sending and receiving pushed steps, mixed into ``BlockHandler``."""
+
+    #: open inference streams' inboxes by session id (kept by ``worker.inference``)
+    _inboxes: dict[str, asyncio.Queue]
+    push_sender: PushSender | None
+    pushes_sent: int
+    push_failures: int
+
+    async def rpc_push(
+        self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
+    ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
+        """Steps pushed by a previous server of a chain, one message each, over one long-lived stream;
+        each goes into its session's inbox. Ends with a count of the accepted ones."""
+        accepted = 0
+        async for request in requests:
+            accepted += self.accept_push(request)
+        yield protocol.make_response(accepted=accepted)
+
+    def accept_push(self, request: runtime_pb2.ExpertRequest) -> bool:
+        """Queue a pushed step into its session's stream; False if the session or the message is unusable."""
+        try:
+            metadata = self._unpack(request.metadata)
+            inbox = self._inboxes.get(str(metadata.get("session_id")))
+            if inbox is None or not isinstance(metadata.get("step_id"), str):
+                return False
+            tensors = self._deserialize(request.tensors, max_count=1)
+        except (RemoteError, ValueError):
+            return False
+        inbox.put_nowait(("push", (tensors, metadata)))
+        return True
+
+    def _push_next(self, out: torch.Tensor, metadata: dict, pushes: dict[str, PushStream]) -> None:
+        """Send this step's output straight to the next server of the chain, if the client asked.
+
+        ``pushes``: this session's outgoing push streams by target session, opened on first use."""
+        chain = metadata.get("push_chain")
+        if not chain or self.push_sender is None or not isinstance(chain, list):
+            return
+        target = chain[0]
+        if not isinstance(target, dict) or not isinstance(target.get("peer_id"), str):
+            return
+        session_id = str(target.get("session_id"))
+        stream = pushes.get(session_id)
+        if stream is None or stream.closed:
+            for stale in pushes.values():  # the client re-routed: the old target is no longer in its chain
+                stale.close()
+            pushes.clear()
+            stream = pushes[session_id] = PushStream(target["peer_id"], self.push_sender, self)
+        stream.send(
+            protocol.make_request(
+                [out],
+                compression=metadata.get("compression_out", "none"),
+                session_id=session_id,
+                step_id=metadata.get("step_id"),
+                position=metadata.get("position"),
+                push_chain=chain[1:],
+                compression_out=metadata.get("compression_out", "none"),
+            )
+        )
+
+
+class PushStream:
+    """One long-lived stream to the next server of a chain, carrying a session's pushed steps.
+
+    Opening a libp2p stream per step costs more than the hop a push saves, so a session keeps one
+    stream per target and closes it when it ends. Failures only count: the client's own copy of every
+    step still reaches the target.
+    """
+
+    def __init__(self, peer_id: str, sender: PushSender, handler: ServerPush):
+        self.peer_id = peer_id
+        self.handler = handler
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self.closed = False
+        self._task = asyncio.create_task(self._run(sender))
+
+    def send(self, request: runtime_pb2.ExpertRequest) -> None:
+        self._queue.put_nowait(request)
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            self._queue.put_nowait(None)
+
+    async def _messages(self) -> AsyncIterator[runtime_pb2.ExpertRequest]:
+        while True:
+            request = await self._queue.get()
+            if request is None:
+                return
+            self.handler.pushes_sent += 1
+            yield request
+
+    async def _run(self, sender: PushSender) -> None:
+        try:
+            await sender(self.peer_id, self._messages())
+        except Exception as e:
+            self.handler.push_failures += 1
+            logger.debug("push stream to %s failed: %r", self.peer_id, e)
+        finally:
+            self.closed = True
