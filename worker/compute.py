@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from swarm_client.families.batched import (
+from worker.batched import (
     Segment,
     llama_forward_batch,
     rotary_tables,
