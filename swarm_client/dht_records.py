@@ -1,7 +1,8 @@
-"""What a block server announces on the DHT, and the functions that write, read and guard it.
+"""What a block server announces on the DHT, and the functions that read and guard it.
 
 Key: ``"{dht_prefix}.{block_index}"``; subkey: ``b"<peer id>[owner:<RSA public key>]"``; value: ``ServerInfo``
 as a dict. Records expire unless the server refreshes them, so a crashed server disappears by itself.
+Servers write them with ``worker.announce.declare_span``.
 
 Why the subkey carries a key: every swarm DHT node runs hivemind's ``RSASignatureValidator``, so a value
 stored under a subkey holding a public key must be signed by the matching private key — nobody can
@@ -18,7 +19,6 @@ import functools
 import hashlib
 import os
 import re
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional  # noqa: UP035 - pydantic v1 schemas (hivemind) want typing generics
@@ -225,24 +225,6 @@ def mark_validated(dht) -> None:
 
 
 # ---------------------------------------------------------------------------------------- I/O
-def declare_span(dht, dht_prefix: str, start: int, end: int, info: ServerInfo, expiration: float) -> bool:
-    """Store ``info`` under every block of ``[start, end)`` under our signed subkey; blocking."""
-    peer_id = dht.peer_id.to_base58()
-    subkey = record_subkey(peer_id)
-    if owner_peer_id(subkey) != peer_id:
-        raise ValueError(
-            "this DHT's peer id is not derived from the record-signing key; create it with "
-            "record_validators() and write_identity() or nobody will accept its records"
-        )
-    expiration_time = time.time() + expiration  # hivemind wants absolute DHT time
-    value = info.to_wire()
-    futures = [
-        dht.store(uid, subkey=subkey, value=value, expiration_time=expiration_time, return_future=True)
-        for uid in block_uids(dht_prefix, start, end)
-    ]
-    return all(bool(f.result()) for f in futures)
-
-
 def fetch_block_records(dht, dht_prefix: str, num_blocks: int) -> list[dict[str, ServerInfo]]:
     """For each block, ``{peer_id: ServerInfo}`` of the valid, unexpired, owner-verified records; blocking."""
     _ensure_can_read(dht)

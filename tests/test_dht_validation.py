@@ -26,7 +26,6 @@ from hivemind.utils.crypto import RSAPrivateKey
 from swarm_client.dht_records import (
     ServerInfo,
     ServerState,
-    declare_span,
     fetch_block_records,
     owner_peer_id,
     record_subkey,
@@ -36,6 +35,7 @@ from swarm_client.dht_records import (
 )
 from swarm_client.routing import find_route
 from tests.swarm_fixtures import spawn
+from worker.announce import declare_span
 
 PREFIX = "validated-model"
 NUM_BLOCKS = 4

@@ -23,7 +23,6 @@ from swarm_client.dht_records import (
     PROTOCOL_VERSION,
     ServerInfo,
     ServerState,
-    declare_span,
     fetch_block_records,
     mark_validated,
     record_validators,
@@ -32,6 +31,7 @@ from swarm_client.dht_records import (
 )
 from swarm_client.families import get_family
 from swarm_client.model_source import resolve_model_path
+from worker.announce import declare_span
 from worker.block_selection import choose_best_blocks
 from worker.cache import CacheManager
 from worker.compute import SpanRunner
