@@ -30,6 +30,7 @@ from gateway.errors import error_response, install_error_handlers
 from gateway.limits import install_limits
 from gateway.metrics import install_metrics
 from gateway.routes import ROUTERS, swarm_page
+from gateway.routes.docs import install_docs
 from gateway.sessions import AffinityStore, create_store
 from gateway.settings import GatewaySettings
 
@@ -76,7 +77,8 @@ class RequestContextMiddleware:
 
 def create_app(backend: ModelBackend, settings: GatewaySettings | None = None) -> FastAPI:
     """The gateway for ``backend``. Routes: ``/v1/chat/completions``, ``/v1/completions``, ``/v1/models``,
-    ``/v1/models/{id}``, ``/health``, ``/v1/swarm``, ``/metrics``."""
+    ``/v1/models/{id}``, ``/health``, ``/v1/swarm``, ``/metrics``, and the pages ``/swarm``, ``/docs``,
+    ``/redoc``."""
     settings = settings or GatewaySettings()
 
     @asynccontextmanager
@@ -87,7 +89,11 @@ def create_app(backend: ModelBackend, settings: GatewaySettings | None = None) -
             await app.state.affinity.aclose()
 
     app = FastAPI(
-        title="swarmserve", summary="OpenAI-compatible gateway to a swarm of block servers", lifespan=lifespan
+        title="swarmserve",
+        summary="OpenAI-compatible gateway to a swarm of block servers",
+        lifespan=lifespan,
+        docs_url=None,  # FastAPI's pages load their JS and CSS from a CDN: install_docs serves them itself
+        redoc_url=None,
     )
     app.state.backend = backend
     app.state.settings = settings
@@ -97,6 +103,7 @@ def create_app(backend: ModelBackend, settings: GatewaySettings | None = None) -
     for router in ROUTERS:
         app.include_router(router)
     app.include_router(swarm_page.router)  # /swarm: the HTML status page over /v1/swarm
+    install_docs(app)  # /docs, /redoc and their assets under /static/docs, no CDN
     install_error_handlers(app, retry_after_s=settings.retry_after_s)
     install_limits(app, settings)  # auth, body size, rate limits, stream slots (gateway/limits.py)
     install_metrics(app)  # /metrics; its middleware wraps the limits, so their 401/413/429/503 count
