@@ -4,20 +4,34 @@ A ``ModelBackend`` opens ``DecodeSession``s. A session keeps the KV cache of the
 processed (on the swarm's servers for ``SwarmBackend``, in-process for ``LocalBackend``) so a step only
 sends new tokens. Every call here is blocking; the engine runs them in a worker thread.
 
-Reuse across requests (optional: a backend that sets ``supports_resume = True``): a finished session can be
-``detach``-ed — closed with its caches kept — into a ``SessionSnapshot``, and a later request (of any gateway
-replica, for the swarm) passes that snapshot to ``open_session(..., resume=...)`` to continue from it. The
-engine keeps snapshots in the affinity store (gateway/sessions.py).
+Two optional abilities, each declared here so the engine reaches them through a type, not a guess:
+
+- Reuse across requests (``ResumableBackend``: a backend that sets ``supports_resume = True``; check with
+  ``can_resume``): a finished session can be ``detach``-ed — closed with its caches kept — into a
+  ``SessionSnapshot``, and a later request (of any gateway replica, for the swarm) passes that snapshot to
+  ``open_session(..., resume=...)`` to continue from it. The engine keeps snapshots in the affinity store
+  (gateway/sessions.py).
+- Batched decode steps (``BatchingBackend``: a backend with ``step_many`` and ``step_group``; check with
+  ``isinstance``): one call steps several sessions (gateway/decode_batch.py).
 """
 
 from __future__ import annotations
 
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeGuard, runtime_checkable
 
 import torch
 
-__all__ = ["DecodeSession", "ModelBackend", "ResumableSession", "SessionSnapshot"]
+__all__ = [
+    "BatchingBackend",
+    "DecodeSession",
+    "ModelBackend",
+    "ResumableBackend",
+    "ResumableSession",
+    "SessionSnapshot",
+    "can_resume",
+]
 
 
 @dataclass
@@ -31,10 +45,14 @@ class SessionSnapshot:
 
 
 class DecodeSession(Protocol):
-    #: number of tokens whose keys/values the session holds
-    position: int
-    #: the token ids processed so far (``len(token_ids) == position``)
-    token_ids: list[int]
+    # read-only properties: a plain attribute satisfies them as well as a property does
+    @property
+    def position(self) -> int:
+        """Number of tokens whose keys/values the session holds."""
+
+    @property
+    def token_ids(self) -> list[int]:
+        """The token ids processed so far (``len(token_ids) == position``)."""
 
     def step(self, token_ids: list[int]) -> torch.Tensor:
         """Feed ``token_ids`` after the current position; return the last one's float32 logits ``[vocab]``."""
@@ -60,10 +78,40 @@ class ModelBackend(Protocol):
     max_context: int
 
     def open_session(self, max_length: int, session_id: str | None = None) -> DecodeSession:
-        """A new session for up to ``max_length`` tokens. A backend with ``supports_resume = True`` also takes
-        ``resume=SessionSnapshot`` and then continues that session (``token_ids`` as in the snapshot), raising
-        ``swarm_client.errors.SessionNotFoundError`` when its caches are gone."""
+        """A new session for up to ``max_length`` tokens (a ``ResumableBackend`` also takes ``resume=``)."""
 
     def swarm_state(self) -> dict: ...
 
     def close(self) -> None: ...
+
+
+class ResumableBackend(ModelBackend, Protocol):
+    """A backend whose sessions outlive a request: ``detach`` one, ``open_session(resume=...)`` it later."""
+
+    #: True: the ability is there (a backend may carry the attribute set to False)
+    supports_resume: bool
+
+    def open_session(
+        self, max_length: int, session_id: str | None = None, resume: SessionSnapshot | None = None
+    ) -> ResumableSession:
+        """As ``ModelBackend.open_session``; with ``resume``, continue that detached session (``token_ids`` as
+        in the snapshot), raising ``swarm_client.errors.SessionNotFoundError`` when its caches are gone."""
+
+
+def can_resume(backend: ModelBackend) -> TypeGuard[ResumableBackend]:
+    """True for a backend that declares ``supports_resume = True``."""
+    return bool(getattr(backend, "supports_resume", False))
+
+
+@runtime_checkable
+class BatchingBackend(Protocol):
+    """A backend that steps several of its sessions in one call (``isinstance`` checks that both are there)."""
+
+    def step_many(
+        self, sessions: Sequence[DecodeSession], token_ids: Sequence[list[int]]
+    ) -> list[torch.Tensor | BaseException]:
+        """One step of each of ``sessions`` (opened by this backend), each fed its ``token_ids``: per session
+        its logits or the exception its step raised, the same as stepping them one by one."""
+
+    def step_group(self, session: DecodeSession) -> Hashable:
+        """Which ``step_many`` call ``session`` may share: sessions of different groups are stepped apart."""
