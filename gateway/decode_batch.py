@@ -1,6 +1,6 @@
 """One decode step for all the choices decoding at once: one thread hand-off per cycle instead of two per choice.
 
-Each choice's decode loop (``Engine._run_choice``) used to run its next step in a worker thread of its own:
+Each choice's decode loop (``Engine.run_choice``) used to run its next step in a worker thread of its own:
 wake the thread, embed, step the swarm, run the LM head, sample, hand the token back to the event loop.
 That is ≈ 1.5 ms of Python per choice and token, and with N concurrent choices all of it falls at the same
 moment of the cycle — right after the servers answer — serialized on the gateway's GIL (≈ 12 ms at 8

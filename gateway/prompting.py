@@ -1,0 +1,102 @@
+"""Prompts and their limits, the request-level checks that need the model but no session: which model a
+request may name, chat messages → prompt ids through the tokenizer's chat template, text ↔ ids, the
+completion budget within the context window (a 400 naming both numbers, before any stream starts), and the
+ids that end a generation (``eos_token_ids``).
+
+``PromptRules`` is the base of ``Engine`` (gateway/engine.py), so the request handlers (gateway/serving.py)
+ask the engine. The tokenizer is used on the event loop only (HF fast tokenizers are not safe to share
+across threads).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from typing import Any
+
+from gateway.backend import ModelBackend
+from gateway.detokenize import TokenVocab
+from gateway.errors import ContextLengthExceededError, InvalidRequestError, ModelNotFoundError
+from gateway.settings import GatewaySettings
+
+__all__ = ["PromptRules", "eos_token_ids"]
+
+
+def eos_token_ids(backend: ModelBackend) -> frozenset[int]:
+    """The tokenizer's EOS and the model's generation_config EOS ids (chat models often end on a turn
+    token such as ``<|im_end|>`` that only the generation config names). A backend may expose
+    ``generation_config``; the protocol does not require it."""
+    ids: set[int] = set()
+    candidates = [
+        getattr(backend.tokenizer, "eos_token_id", None),
+        getattr(getattr(backend, "generation_config", None), "eos_token_id", None),
+    ]
+    for value in candidates:
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, (list, tuple)):
+            ids.update(int(v) for v in value if v is not None)
+    return frozenset(ids)
+
+
+class PromptRules:
+    """The served model's name, tokenizer and context window, and the checks a request must pass."""
+
+    def __init__(self, backend: ModelBackend, settings: GatewaySettings):
+        self.backend = backend
+        self.settings = settings
+        self.tokenizer = backend.tokenizer
+        self.vocab = TokenVocab(self.tokenizer)
+
+    @property
+    def model_id(self) -> str:
+        return self.backend.model_id
+
+    def check_model(self, requested: str | None) -> None:
+        """The request must name the served model (its id or the id's basename); None means "the one"."""
+        if requested is None:
+            return
+        served = self.backend.model_id
+        if requested not in (served, os.path.basename(served.rstrip("/"))):
+            raise ModelNotFoundError(requested)
+
+    def max_tokens_for(self, prompt_len: int, requested: int | None, *, param: str) -> int:
+        """The completion budget: ``requested`` if it fits the context window (else a 400 naming both), or
+        ``min(default_max_tokens, what is left)`` when the request names none."""
+        limit = self.backend.max_context
+        if requested is not None:
+            if prompt_len + requested > limit:
+                raise ContextLengthExceededError(
+                    max_context=limit, prompt_tokens=prompt_len, completion_tokens=requested, param=param
+                )
+            return requested
+        if prompt_len >= limit:
+            raise ContextLengthExceededError(
+                max_context=limit, prompt_tokens=prompt_len, completion_tokens=1, param=param
+            )
+        return min(self.settings.default_max_tokens, limit - prompt_len)
+
+    def render_chat(self, messages: list[dict[str, Any]]) -> list[int]:
+        """Messages → prompt ids through the tokenizer's chat template, ending with the assistant's turn."""
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise InvalidRequestError(
+                "This model has no chat template; use /v1/completions instead.", param="messages"
+            )
+        try:
+            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        except Exception as exc:  # jinja raises TemplateError for conversations the template refuses
+            raise InvalidRequestError(
+                f"The chat template rejected these messages: {exc}", param="messages"
+            ) from None
+        # the template already wrote BOS and every special token it wants
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.tokenizer(text, add_special_tokens=True)["input_ids"])
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(list(ids), skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.tokenizer)
