@@ -13,13 +13,14 @@ from __future__ import annotations
 import json
 import uuid
 from collections.abc import Awaitable
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import anyio
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from gateway.engine import ChoiceResult, ChoiceSpec, Delta, Engine
+from gateway.choices import ChoiceResult, ChoiceSpec, Delta
+from gateway.engine import Engine
 from gateway.errors import InvalidRequestError, UnsupportedParameterError
 from gateway.logprobs import LegacyLogprobs, chat_logprobs
 from gateway.openai_schema import (
@@ -88,7 +89,7 @@ async def create_chat_completion(engine: Engine, req: ChatCompletionRequest, req
         id=completion_id,
         choices=[
             Choice(
-                finish_reason=r.finish_reason,  # type: ignore[arg-type]
+                finish_reason=r.finish_reason,
                 index=r.index,
                 logprobs=chat_logprobs(engine.vocab, r.logprobs) if top_k is not None else None,
                 message=ChatCompletionMessage(content=r.text),
@@ -164,7 +165,7 @@ async def create_completion(engine: Engine, req: CompletionRequest, request: Req
         choices.append(
             CompletionChoice(
                 finish_reason=r.finish_reason, index=r.index, logprobs=logprobs, text=echo_text + r.text
-            )  # type: ignore[arg-type]
+            )
         )
     response = Completion(
         id=completion_id, choices=choices, model=model, usage=_usage(prompt_tokens, results)
@@ -239,12 +240,14 @@ def _completion_prompts(
     engine: Engine, prompt: str | list[str] | list[int] | list[list[int]]
 ) -> list[tuple[list[int], str]]:
     """Every accepted shape of ``prompt`` → ``[(token ids, text to echo)]``."""
+    # isinstance cannot narrow a union of list types by their items: the casts say what the checks found
+    items: list[str | list[int]]
     if isinstance(prompt, str):
-        items: list[str | list[int]] = [prompt]
+        items = [prompt]
     elif prompt and all(isinstance(x, int) for x in prompt):
-        items = [list(prompt)]  # type: ignore[arg-type]
-    else:
-        items = list(prompt)  # type: ignore[arg-type]
+        items = [cast(list[int], list(prompt))]
+    else:  # pydantic validated the union: every item is a string, or every item a list of token ids
+        items = cast(list[str | list[int]], list(prompt))
     if not items:
         raise InvalidRequestError("prompt: must not be empty.", param="prompt")
     out = []

@@ -13,15 +13,16 @@ import json
 import logging
 import time
 from collections.abc import AsyncIterator
-from typing import Protocol
+from typing import NotRequired, Protocol, TypedDict, Unpack
 
 from pydantic import BaseModel
 from sse_starlette import EventSourceResponse
 from starlette.background import BackgroundTask
 
+from gateway.choices import Delta
 from gateway.detokenize import TokenVocab
-from gateway.engine import Delta, Generation
 from gateway.errors import to_gateway_error
+from gateway.generation import Generation
 from gateway.logprobs import LegacyLogprobs, chat_logprobs
 from gateway.openai_schema import (
     ChatCompletionChunk,
@@ -60,6 +61,16 @@ def error_frame(exc: BaseException) -> str:
     return json.dumps(to_gateway_error(exc).payload(), separators=(",", ":"), ensure_ascii=False)
 
 
+class _BuilderArgs(TypedDict):
+    """The keyword arguments every builder passes on to ``_BaseChunkBuilder``."""
+
+    id: str
+    model: str
+    prompt_tokens: int
+    include_usage: bool
+    created: NotRequired[int | None]
+
+
 class _BaseChunkBuilder:
     def __init__(
         self, *, id: str, model: str, prompt_tokens: int, include_usage: bool, created: int | None = None
@@ -95,8 +106,8 @@ class _BaseChunkBuilder:
 
 
 class ChatChunkBuilder(_BaseChunkBuilder):
-    def __init__(self, *, n: int, vocab: TokenVocab, logprobs: bool, **kw: object):
-        super().__init__(**kw)  # type: ignore[arg-type]
+    def __init__(self, *, n: int, vocab: TokenVocab, logprobs: bool, **kw: Unpack[_BuilderArgs]):
+        super().__init__(**kw)
         self.n = n
         self.vocab = vocab
         self.logprobs = logprobs
@@ -125,7 +136,7 @@ class ChatChunkBuilder(_BaseChunkBuilder):
         if delta.finish_reason is not None:
             out.append(
                 self._chunk(
-                    [ChunkChoice(index=delta.index, delta=ChoiceDelta(), finish_reason=delta.finish_reason)]  # type: ignore[arg-type]
+                    [ChunkChoice(index=delta.index, delta=ChoiceDelta(), finish_reason=delta.finish_reason)]
                 )
             )
         return out
@@ -138,8 +149,8 @@ class ChatChunkBuilder(_BaseChunkBuilder):
 
 
 class CompletionChunkBuilder(_BaseChunkBuilder):
-    def __init__(self, *, vocab: TokenVocab, logprobs: bool, **kw: object):
-        super().__init__(**kw)  # type: ignore[arg-type]
+    def __init__(self, *, vocab: TokenVocab, logprobs: bool, **kw: Unpack[_BuilderArgs]):
+        super().__init__(**kw)
         self.vocab = vocab
         self.logprobs = logprobs
         self._legacy: dict[int, LegacyLogprobs] = {}
@@ -156,7 +167,7 @@ class CompletionChunkBuilder(_BaseChunkBuilder):
             legacy = self._legacy.setdefault(delta.index, LegacyLogprobs(self.vocab))
             logprobs = legacy.build(delta.logprobs)
         choice = CompletionChoice(
-            finish_reason=delta.finish_reason,  # type: ignore[arg-type]
+            finish_reason=delta.finish_reason,
             index=delta.index,
             logprobs=logprobs,
             text=delta.text,

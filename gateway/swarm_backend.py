@@ -231,13 +231,17 @@ class SwarmBackend:
         """One step of several sessions in one call: their swarm steps run concurrently on the client's I/O
         loop (the servers batch them), everything else exactly as ``SwarmSession.step``, so the logits are
         the same. One result per session: its logits, or the exception its step raised."""
-        results: list[torch.Tensor | BaseException | None] = [None] * len(sessions)
+        # a session whose tokens cannot be embedded keeps that error; every other slot is its step's result
+        results: list[torch.Tensor | BaseException] = []
         ready: list[tuple[int, torch.Tensor]] = []
         for i, (session, ids) in enumerate(zip(sessions, token_ids, strict=True)):
             try:
-                ready.append((i, session._embed(ids)))
+                hidden = session._embed(ids)
             except Exception as e:
-                results[i] = e
+                results.append(e)
+                continue
+            results.append(hidden)  # replaced below by the logits or the step's exception
+            ready.append((i, hidden))
 
         async def step_all() -> list[Any]:
             steps = (sessions[i].inner.astep(hidden, position=sessions[i].position) for i, hidden in ready)
@@ -256,7 +260,7 @@ class SwarmBackend:
                 results[i] = sessions[i]._finish(token_ids[i], hidden, out)
             except Exception as e:
                 results[i] = e
-        return results  # type: ignore[return-value]
+        return results
 
     @staticmethod
     def step_group(session: SwarmSession) -> int | None:
