@@ -20,7 +20,7 @@ blocks evenly, as ``swarmserve up`` does) and an in-process gateway (``SwarmBack
 Writes ``<out-dir>/concurrency.json``, ``concurrency.md`` (concurrency, total tok/s, speed-up vs 1 stream,
 TTFT and ITL p50/p95/p99, errors, output mismatches, mean and max batch) and, with matplotlib installed
 (``pip install -e '.[bench]'``), ``concurrency.png`` (throughput vs concurrency). Exit code 1 on any error
-or output mismatch. ``LocalSwarm`` is also used by ``load_tests/soak.py``.
+or output mismatch. The swarm and gateway come from ``load_tests/served_swarm.py`` (as in ``soak.py``).
 """
 
 from __future__ import annotations
@@ -43,202 +43,13 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from gateway.cli_gateway import WorkerProcess, pipeline_groups_arg, split_blocks, stop_workers  # noqa: E402
 from load_tests.loadgen import PROMPTS, run_load, run_load_sync  # noqa: E402
+from load_tests.served_swarm import ServedSwarm, eos_logit_bias, gateway_overrides, resolve_model  # noqa: E402
+from swarmserve.cli.gateway import pipeline_groups_arg  # noqa: E402
 
 DEFAULT_LEVELS = (1, 2, 4, 8, 16)
 #: the brief's bar: aggregate tok/s at this many streams at least this many times the single stream's
 GOAL_CONCURRENCY, GOAL_SPEEDUP = 8, 4.0
-
-
-# ---------------------------------------------------------------------------------------------- models
-def resolve_model(name: str, workdir: Path) -> Path:
-    """``tiny`` (hidden 64, 4 layers), ``medium`` (hidden 1024, 8 layers; random weights), ``smollm``
-    (SmolLM2-135M-Instruct, offline) or a local path / hub id."""
-    if name == "tiny":
-        from swarm_client.tiny_model import make_tiny_model
-
-        return Path(make_tiny_model(workdir / "tiny-llama", family="llama", num_layers=4, seed=0))
-    if name == "medium":
-        from load_tests.bench_decode import make_medium_model
-
-        return Path(make_medium_model(workdir / "medium-llama"))
-    from swarm_client.model_source import resolve_model_path
-
-    if name == "smollm":
-        name = "HuggingFaceTB/SmolLM2-135M-Instruct"
-    return Path(resolve_model_path(name))
-
-
-# ---------------------------------------------------------------------------------------------- the swarm
-class LocalSwarm:
-    """A DHT in this process, ``workers`` block servers as child processes and a gateway in a thread of
-    this process: what ``swarmserve up`` runs, with handles on every piece for measurements.
-
-    Every process binds to 127.0.0.1. Workers announce a fixed ``throughput`` (no startup benchmark, a
-    deterministic route). Always ``close()`` it (or use ``with``): it stops the gateway, closes the client's
-    sessions, then drains the workers (killed after ``grace`` seconds) and the DHT."""
-
-    def __init__(
-        self,
-        model_dir: Path,
-        workers: int = 2,
-        *,
-        worker_threads: int | None = None,
-        throughput: float | None = 1000.0,
-        cache_tokens: int = 16384,
-        ready_timeout: float = 600.0,
-        gateway_settings: Mapping[str, Any] | None = None,
-        worker_args: Sequence[str] = (),
-        grace: float = 15.0,
-        client_options: Mapping[str, Any] | None = None,
-    ):
-        # the DHT forks a process: start it before this process's torch spins up thread pools
-        from hivemind.dht import DHT
-
-        from swarm_client.config import default_dht_prefix
-        from swarm_client.dht_records import mark_validated, record_validators
-
-        self.model_dir = Path(model_dir)
-        self.grace = grace
-        #: extra ``swarm_client`` options of the gateway's client (e.g. ``push=True``)
-        self.client_options = dict(client_options or {})
-        self.prefix = default_dht_prefix(str(self.model_dir))
-        self.workers: list[WorkerProcess] = []
-        self.server: Any = None
-        self.backend: Any = None
-        self.dht = DHT(
-            initial_peers=[],
-            host_maddrs=["/ip4/127.0.0.1/tcp/0"],
-            record_validators=record_validators(self.prefix),
-            start=True,
-        )
-        mark_validated(self.dht)
-        self.maddrs = [str(m) for m in self.dht.get_visible_maddrs()]
-        try:
-            self._start_workers(workers, worker_threads, throughput, cache_tokens, ready_timeout, worker_args)
-            self._start_gateway(dict(gateway_settings or {}))
-        except BaseException:
-            self.close()
-            raise
-
-    def _start_workers(
-        self,
-        n: int,
-        threads: int | None,
-        throughput: float | None,
-        cache_tokens: int,
-        timeout: float,
-        extra: Sequence[str],
-    ) -> None:
-        from transformers import AutoConfig
-
-        num_blocks = int(AutoConfig.from_pretrained(self.model_dir).num_hidden_layers)
-        spans = split_blocks(num_blocks, n)
-        threads = threads or max(1, (os.cpu_count() or 1) // len(spans))
-        args = ["--model", str(self.model_dir), "--initial-peers", *self.maddrs, "--dht-prefix", self.prefix,
-                "--torch-threads", str(threads), "--cache-tokens", str(cache_tokens),
-                "--update-period", "2"]  # fmt: skip
-        if throughput is not None:
-            args += ["--throughput", str(throughput)]
-        args += list(extra)
-        env = dict(
-            os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads)
-        )
-        env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
-        for i, span in enumerate(spans):
-            self.workers.append(WorkerProcess.spawn(f"worker {i + 1}", span, args, env))
-        deadline = time.monotonic() + timeout
-        for w in self.workers:
-            while not w.ready.wait(0.2):
-                if w.crashed() or time.monotonic() > deadline:
-                    raise RuntimeError(
-                        f"{w.name} (blocks {w.span[0]}:{w.span[1]}) failed to start:\n{w.tail()}"
-                    )
-        spans_txt = ", ".join(f"{w.span[0]}:{w.span[1]}" for w in self.workers)
-        print(
-            f"swarm: {len(self.workers)} worker(s) ready ({spans_txt}), {threads} thread(s) each", flush=True
-        )
-
-    def _start_gateway(self, settings: dict[str, Any]) -> None:
-        from gateway import BackgroundServer, GatewaySettings, create_app
-        from gateway.swarm_backend import SwarmBackend
-
-        self.backend = SwarmBackend(
-            str(self.model_dir),
-            self.maddrs,
-            dht_prefix=self.prefix,
-            dht=self.dht,
-            update_period=2.0,
-            **self.client_options,
-        )
-        settings.setdefault("model", str(self.model_dir))
-        settings.setdefault("log_level", "warning")
-        self.server = BackgroundServer(create_app(self.backend, GatewaySettings(**settings))).start(
-            timeout=120
-        )
-        print(f"gateway: {self.server.url}", flush=True)
-
-    @property
-    def url(self) -> str:
-        return self.server.url
-
-    def worker_infos(self) -> list[dict[str, Any]]:
-        """Each worker's own report (cache use, sessions, batching counters), in span order."""
-        infos = []
-        for w in self.workers:
-            info = dict(self.backend.server_info(w.peer_id, timeout=10.0))
-            info["name"], info["span"] = w.name, f"{w.span[0]}:{w.span[1]}"
-            infos.append(info)
-        return infos
-
-    def worker_rss_mb(self) -> list[float | None]:
-        """Resident memory of each worker process (its DHT child and p2pd not included)."""
-        import psutil
-
-        out: list[float | None] = []
-        for w in self.workers:
-            try:
-                out.append(round(psutil.Process(w.pid).memory_info().rss / 2**20, 1))
-            except psutil.Error:
-                out.append(None)
-        return out
-
-    def close(self) -> None:
-        if self.server is not None:
-            self.server.stop()
-            self.server = None
-        if self.backend is not None:
-            self.backend.close()
-            self.backend = None
-        if self.workers:
-            stop_workers(self.workers, self.grace)
-        self.dht.shutdown()
-
-    def __enter__(self) -> LocalSwarm:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-
-def gateway_overrides(**wanted: Any) -> dict[str, Any]:
-    """The ``GatewaySettings`` fields among ``wanted`` that this gateway version has (others are dropped
-    with a note): the scripts keep working while settings come and go."""
-    from gateway import GatewaySettings
-
-    fields = GatewaySettings.model_fields
-    for name in sorted(set(wanted) - set(fields)):
-        print(f"note: this gateway has no setting {name!r}; ignored", file=sys.stderr)
-    return {k: v for k, v in wanted.items() if k in fields}
-
-
-def eos_logit_bias(backend: Any) -> dict[str, float]:
-    """``logit_bias`` that bans every EOS id: each request then makes exactly ``max_tokens`` tokens, so
-    levels are compared on equal work."""
-    from gateway.engine import eos_token_ids
-
-    return {str(i): -100.0 for i in sorted(eos_token_ids(backend))}
 
 
 # ---------------------------------------------------------------------------------------------- the sweep
@@ -292,7 +103,7 @@ def _slim(detail: Mapping[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in detail.items() if k != "itl_s"}
 
 
-async def sweep(swarm: LocalSwarm, args: argparse.Namespace) -> dict[str, Any]:
+async def sweep(swarm: ServedSwarm, args: argparse.Namespace) -> dict[str, Any]:
     if args.loadgen_in_process:
         load = run_load
     else:  # like real clients: the load generator's CPU work does not hold the gateway's GIL
@@ -308,7 +119,7 @@ async def sweep(swarm: LocalSwarm, args: argparse.Namespace) -> dict[str, Any]:
             pool.shutdown()
 
 
-async def _sweep(swarm: LocalSwarm, args: argparse.Namespace, run_load) -> dict[str, Any]:
+async def _sweep(swarm: ServedSwarm, args: argparse.Namespace, run_load) -> dict[str, Any]:
     extra = {"logit_bias": eos_logit_bias(swarm.backend)} if args.ban_eos else {}
     common = dict(
         max_tokens=args.max_tokens,
@@ -529,7 +340,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         model_dir = resolve_model(args.model, workdir)
         worker_threads = args.worker_threads or max(1, (os.cpu_count() or 1) // args.workers)
         gateway_settings = gateway_overrides(affinity=args.affinity, batch_decode=args.batch_decode)
-        with LocalSwarm(
+        with ServedSwarm(
             model_dir,
             args.workers,
             worker_threads=worker_threads,

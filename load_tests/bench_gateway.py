@@ -21,9 +21,7 @@ import os
 import platform
 import socket
 import statistics
-import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -35,9 +33,10 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from gateway.cli_gateway import WorkerProcess, split_blocks, stop_workers  # noqa: E402
+
 from swarm_client.config import default_dht_prefix  # noqa: E402
 from swarm_client.model_source import resolve_model_path  # noqa: E402
+from swarmserve.launcher import ChildProcess, LocalSwarm  # noqa: E402
 
 PROMPT = "The swarm of servers shares the layers of one model, so"
 
@@ -59,44 +58,6 @@ def _stats_ms(values_s: list[float]) -> dict[str, float]:
 
 
 # ---------------------------------------------------------------------------------------------- the swarm
-class OwnSwarm:
-    """An in-process DHT and worker processes, as ``swarmserve up`` starts them."""
-
-    def __init__(self, model: str, model_dir: Path, workers: int, threads: int | None):
-        from hivemind.dht import DHT
-        from transformers import AutoConfig
-
-        from swarm_client.dht_records import mark_validated, record_validators
-
-        validators = record_validators(default_dht_prefix(model))
-        self.dht = DHT(
-            initial_peers=[], host_maddrs=["/ip4/127.0.0.1/tcp/0"], record_validators=validators, start=True
-        )
-        mark_validated(self.dht)
-        self.maddrs = [str(m) for m in self.dht.get_visible_maddrs()]
-        num_blocks = int(AutoConfig.from_pretrained(model_dir).num_hidden_layers)
-        threads = threads or max(1, (os.cpu_count() or 1) // workers)
-        args = ["--model", str(model_dir), "--initial-peers", *self.maddrs,
-                "--dht-prefix", default_dht_prefix(model), "--torch-threads", str(threads)]  # fmt: skip
-        env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS=str(threads))
-        self.workers = [
-            WorkerProcess.spawn(f"worker {i + 1}", span, args, env)
-            for i, span in enumerate(split_blocks(num_blocks, workers))
-        ]
-        deadline = time.monotonic() + 600
-        for w in self.workers:
-            while not w.ready.wait(0.2):
-                if w.crashed() or time.monotonic() > deadline:
-                    self.close()
-                    raise RuntimeError(f"{w.name} failed to start:\n{w.tail()}")
-        spans = ", ".join(f"{w.span[0]}:{w.span[1]}" for w in self.workers)
-        print(f"swarm: {len(self.workers)} worker(s) ready: {spans}", flush=True)
-
-    def close(self) -> None:
-        stop_workers(self.workers, grace=15)
-        self.dht.shutdown()
-
-
 # ---------------------------------------------------------------------------------------------- (a) direct
 def bench_direct(model: Any, prompt_ids: list[int], tokens: int) -> dict[str, Any]:
     """Greedy decode over an InferenceSession; per-token time of every step after the prefill."""
@@ -122,40 +83,18 @@ def bench_direct(model: Any, prompt_ids: list[int], tokens: int) -> dict[str, An
 
 
 # ---------------------------------------------------------------------------------------------- (b) gateway
-class GatewayProcess:
-    def __init__(self, model: str, maddrs: list[str], dht_prefix: str):
-        self.port = _free_port()
-        self.popen = subprocess.Popen(
-            [sys.executable, "-m", "gateway.cli", "--log-level", "WARNING", "gateway", "--model", model,
-             "--initial-peers", *maddrs, "--dht-prefix", dht_prefix, "--port", str(self.port)],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
-            env=dict(os.environ, PYTHONUNBUFFERED="1"),
-        )  # fmt: skip
-        self.lines: list[str] = []
-        ready = threading.Event()
-
-        def read() -> None:
-            assert self.popen.stdout is not None
-            for line in self.popen.stdout:
-                self.lines.append(line.rstrip())
-                if line.startswith("swarmserve gateway ready:"):
-                    ready.set()
-
-        threading.Thread(target=read, daemon=True).start()
-        deadline = time.monotonic() + 300
-        while not ready.wait(0.2):
-            if self.popen.poll() is not None or time.monotonic() > deadline:
-                self.close()
-                raise RuntimeError("gateway failed to start:\n" + "\n".join(self.lines[-30:]))
-        self.url = f"http://127.0.0.1:{self.port}"
-
-    def close(self) -> None:
-        if self.popen.poll() is None:
-            self.popen.terminate()
-            try:
-                self.popen.wait(30)
-            except subprocess.TimeoutExpired:
-                self.popen.kill()
+def start_gateway(model: str, maddrs: list[str], dht_prefix: str) -> tuple[ChildProcess, str]:
+    """``swarmserve gateway`` as a child process (its CPU time is measured alone); its base URL."""
+    port = _free_port()
+    args = ["--log-level", "WARNING", "gateway", "--model", model, "--initial-peers", *maddrs,
+            "--dht-prefix", dht_prefix, "--port", str(port)]  # fmt: skip
+    gateway = ChildProcess.spawn("gateway", args)
+    try:
+        gateway.wait_for("swarmserve gateway ready:", timeout=300)
+    except BaseException:
+        gateway.stop()
+        raise
+    return gateway, f"http://127.0.0.1:{port}"
 
 
 def bench_gateway(
@@ -259,7 +198,18 @@ def main(argv: list[str] | None = None) -> int:
 
     model_dir = resolve_model_path(args.model)
     prefix = args.dht_prefix or default_dht_prefix(args.model)
-    own = None if args.initial_peers else OwnSwarm(args.model, model_dir, args.workers, args.torch_threads)
+    own = (
+        None
+        if args.initial_peers
+        else LocalSwarm.covering(
+            model_dir,
+            args.workers,
+            timeout=600,
+            dht_prefix=default_dht_prefix(args.model),
+            threads=args.torch_threads,
+            say=print,
+        )
+    )
     maddrs = args.initial_peers or own.maddrs  # type: ignore[union-attr]
     gateway = None
     try:
@@ -270,9 +220,9 @@ def main(argv: list[str] | None = None) -> int:
         )
         eos_ids = [*_as_list(model.generation_config.eos_token_id), tokenizer.eos_token_id]
         eos = sorted({int(t) for t in eos_ids if t is not None})
-        gateway = GatewayProcess(args.model, maddrs, prefix)
+        gateway, gateway_url = start_gateway(args.model, maddrs, prefix)
         direct_runs, gateway_runs = [], []
-        with httpx.Client(base_url=gateway.url, timeout=600) as http:
+        with httpx.Client(base_url=gateway_url, timeout=600) as http:
             bench_direct(model, prompt_ids, 4)  # warm-up: routes, connections, allocator
             gw_proc = psutil.Process(gateway.popen.pid)
             bench_gateway(http, gw_proc, args.model, prompt_ids, 4, eos)
@@ -291,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
         model.shutdown()
     finally:
         if gateway is not None:
-            gateway.close()
+            gateway.stop(timeout=30)
         if own is not None:
             own.close()
 

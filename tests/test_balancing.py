@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import random
 import subprocess
-import sys
 import time
 from collections.abc import AsyncIterator, Iterator
 
@@ -20,6 +19,7 @@ import torch
 from swarm_client import protocol
 from swarm_client.dht_records import RemoteSpanInfo, ServerInfo, ServerState, spans_from_records
 from swarm_client.errors import RemoteError, SessionNotFoundError
+from swarmserve.launcher import swarmserve_argv
 from worker.rebalance import (
     PENDING,
     HandlerSwitch,
@@ -215,7 +215,7 @@ def dht_reader(eight_blocks: str) -> Iterator:
 
 def _status(s, model: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "gateway.cli", "status", "--initial-peers", s.initial_peers, "--model", model],
+        swarmserve_argv("status", "--initial-peers", s.initial_peers, "--model", model),
         capture_output=True,
         text=True,
         timeout=120,

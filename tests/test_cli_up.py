@@ -8,17 +8,14 @@ is gone. The pure helpers (span splitting, the status table) get fast tests of t
 from __future__ import annotations
 
 import os
-import queue
 import re
 import shutil
 import signal
 import socket
 import subprocess
-import sys
-import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -26,8 +23,9 @@ import openai
 import psutil
 import pytest
 
-from gateway.cli_gateway import render_status, split_blocks
 from swarm_client.dht_records import RemoteSpanInfo, ServerInfo, ServerState
+from swarmserve.cli.status import render_status
+from swarmserve.launcher import ChildProcess, split_blocks, swarmserve_argv
 
 HELLO = [{"role": "user", "content": "Hello, swarm!"}]
 URL_LINE = re.compile(r"OpenAI base URL: (http://\S+/v1)")
@@ -47,66 +45,17 @@ def _env() -> dict[str, str]:
     return env
 
 
-@dataclass
-class Cli:
+class Cli(ChildProcess):
     """A ``swarmserve`` subprocess in its own process group, its output collected line by line."""
-
-    popen: subprocess.Popen
-    lines: list[str] = field(default_factory=list)
-    _q: queue.Queue = field(default_factory=queue.Queue)
 
     @classmethod
     def start(cls, *args: str) -> Cli:
-        popen = subprocess.Popen(
-            [sys.executable, "-m", "gateway.cli", *args],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            text=True,
-            env=_env(),
-            start_new_session=True,
-        )
-        cli = cls(popen)
-        threading.Thread(target=cli._read, daemon=True).start()
-        return cli
-
-    def _read(self) -> None:
-        assert self.popen.stdout is not None
-        for line in self.popen.stdout:
-            self.lines.append(line.rstrip("\n"))
-            self._q.put(line.rstrip("\n"))
-        self._q.put(None)
-
-    def wait_for(self, pattern: re.Pattern[str], timeout: float) -> re.Match[str]:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            try:
-                line = self._q.get(timeout=max(0.01, deadline - time.monotonic()))
-            except queue.Empty:
-                break
-            if line is None:
-                raise AssertionError(
-                    f"exited ({self.popen.poll()}) before {pattern.pattern!r}:\n{self.output}"
-                )
-            if m := pattern.search(line):
-                return m
-        raise AssertionError(f"no {pattern.pattern!r} within {timeout}s:\n{self.output}")
-
-    @property
-    def output(self) -> str:
-        return "\n".join(self.lines[-60:])
-
-    def kill_group(self) -> None:
-        try:
-            os.killpg(self.popen.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        self.popen.wait(10)
+        return cls.spawn(f"swarmserve {args[0]}", args, _env())
 
 
 def _run(*args: str, timeout: float = 60.0) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "gateway.cli", *args],
+        swarmserve_argv(*args),
         capture_output=True,
         text=True,
         env=_env(),
@@ -131,8 +80,8 @@ def _span(peer: str, start: int, end: int, state: ServerState = ServerState.ONLI
 @pytest.mark.parametrize("command", ["gateway", "up"])
 def test_pipeline_groups_flag_is_auto_by_default_and_checked(command: str) -> None:
     """``--pipeline-groups`` takes "auto" (the default: one group per server of a route) or 1..64."""
-    from gateway.cli import build_parser
     from load_tests.bench_concurrency import parse_args
+    from swarmserve.cli import build_parser
 
     base = ["--model", "m"] + (["--initial-peers", "/ip4/127.0.0.1/tcp/1/p2p/x"] if command == "gateway" else [])
     parser = build_parser()

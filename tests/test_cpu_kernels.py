@@ -163,8 +163,8 @@ def test_packed_blocks_match_plain_blocks(kind, runner_and_layout):  # noqa: F81
 
 def test_command_lines_offer_exactly_the_kernels_there_are():
     """``swarmserve worker`` and the benchmark spell the choices out (no torch import at parse time)."""
-    from gateway.cli import build_parser
     from load_tests.bench_concurrency import parse_args
+    from swarmserve.cli import build_parser
     from worker.cpu_kernels import CPU_KERNELS
 
     worker = build_parser()._subparsers._group_actions[0].choices["worker"]  # type: ignore[union-attr]

@@ -1,7 +1,7 @@
 """docker-compose.yml and the Dockerfiles, checked without a Docker engine.
 
 Each service's command is interpolated the way Compose does it and parsed by the real
-``gateway.cli.build_parser()``, so the images run exactly the CLI the other tests run.
+``swarmserve.cli.build_parser()``, so the images run exactly the CLI the other tests run.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from gateway.cli import build_parser
+from swarmserve.cli import build_parser
 
 yaml = pytest.importorskip("yaml")
 
@@ -180,7 +180,9 @@ def test_dockerfile(name: str) -> None:
         assert repo == "python" and "slim" in tag, base
 
     runs = " ".join(rest for instruction, rest in steps if instruction == "RUN")
-    assert re.search(r"pip install[^&]* (/app|\.)(\s|$)", runs), runs  # the project itself
+    # the project itself, with only the extra its role needs: a worker image has no web stack
+    extra = "gateway" if name == "Dockerfile.gateway" else "worker"
+    assert re.search(rf'pip install[^&]* "?/app\[{extra}\]"?(\s|$)', runs), runs
     if name != "Dockerfile.worker":
         assert "download.pytorch.org/whl/cpu" in runs  # CPU torch, not multi-GB CUDA wheels
     (cmd,) = [rest for instruction, rest in steps if instruction in ("CMD", "ENTRYPOINT")]

@@ -1,0 +1,96 @@
+"""Helpers shared by the subcommands: argument types, a help formatter that shows defaults, signals."""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+__all__ = [
+    "DEFAULT_MODEL",
+    "HelpFormatter",
+    "add_listen_flags",
+    "blocks_arg",
+    "port_arg",
+    "require_gateway_extra",
+    "stop_on_signals",
+    "subcommand",
+]
+
+DEFAULT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """``--help`` lists each flag's default (where it has one worth showing)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        if action.default in (None, False, argparse.SUPPRESS) or "default" in text:
+            return text
+        return super()._get_help_string(action)
+
+
+def subcommand(sub: argparse._SubParsersAction, name: str, help: str, **kw) -> argparse.ArgumentParser:
+    return sub.add_parser(name, help=help, description=help, formatter_class=HelpFormatter, **kw)
+
+
+def blocks_arg(value: str) -> tuple[int, int]:
+    """``--blocks START:END``."""
+    try:
+        start, end = (int(x) for x in value.split(":"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--blocks expects START:END (e.g. 0:4), got {value!r}") from None
+    if not 0 <= start < end:
+        raise argparse.ArgumentTypeError(f"--blocks {value}: need 0 <= START < END")
+    return start, end
+
+
+def port_arg(value: str) -> int:
+    try:
+        port = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a port number, got {value!r}") from None
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"port {port} is outside 0..65535")
+    return port
+
+
+def add_listen_flags(p: argparse.ArgumentParser, what: str, port: int) -> None:
+    """``--host`` / ``--port`` of whatever this command listens with."""
+    p.add_argument("--host", default="127.0.0.1", help=f"address {what} binds to (0.0.0.0: every interface)")
+    p.add_argument("--port", type=port_arg, default=port, help=f"port {what} listens on (0: any free port)")
+
+
+def require_gateway_extra(command: str) -> None:
+    """Exit with what to install when the web stack (the ``gateway`` extra) is missing: a worker-only
+    install runs ``swarmserve worker`` but not ``gateway`` / ``up``."""
+    try:
+        import fastapi  # noqa: F401
+        import sse_starlette  # noqa: F401
+        import uvicorn  # noqa: F401
+    except ImportError as exc:
+        raise SystemExit(
+            f"swarmserve {command} needs the gateway's web stack ({exc.name} is missing): "
+            "pip install 'swarmserve[gateway]' (or 'swarmserve[all]')"
+        ) from None
+
+
+@contextmanager
+def stop_on_signals(on_repeat: Callable[[], None] | None = None) -> Iterator[threading.Event]:
+    """An event set by SIGINT / SIGTERM while inside; ``on_repeat`` runs on every signal after the first
+    (a second Ctrl-C: no more patience). The previous handlers come back on exit."""
+    stop = threading.Event()
+
+    def handle(_signum: int, _frame: object) -> None:
+        if stop.is_set() and on_repeat is not None:
+            on_repeat()
+        stop.set()
+
+    previous = {sig: signal.signal(sig, handle) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield stop
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)

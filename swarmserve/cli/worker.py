@@ -1,0 +1,104 @@
+"""``swarmserve worker``: serve a span of transformer blocks to the swarm (``worker.server.run_worker``).
+
+Imports only the library and the block server: a volunteer's install needs no web stack."""
+
+from __future__ import annotations
+
+import argparse
+
+from swarmserve.cli.common import add_listen_flags, blocks_arg, subcommand
+
+DTYPES = ["auto", "float32", "bfloat16", "float16"]
+#: worker.cpu_kernels.CPU_KERNELS, repeated so ``--help`` does not import torch (a test keeps them equal)
+CPU_KERNELS = ["auto", "panels", "onednn", "torch"]
+FAULTS = "nan, hang, wrong-shape, noise"
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = subcommand(sub, "worker", "serve a span of transformer blocks to the swarm")
+    p.add_argument("--model", required=True, help="local path or 🤗 id")
+    p.add_argument("--initial-peers", nargs="+", required=True, help="multiaddr(s) of DHT peers")
+    span = p.add_mutually_exclusive_group()
+    span.add_argument("--blocks", type=blocks_arg, help="serve exactly blocks START:END")
+    span.add_argument("--num-blocks", type=int, help="serve N blocks where the swarm is weakest")
+    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    p.add_argument("--dtype", default="auto", choices=DTYPES, help="weights' dtype (auto: the checkpoint's)")
+    p.add_argument(
+        "--cpu-kernels",
+        default="auto",
+        choices=CPU_KERNELS,
+        help="on a float32 CPU server: our panel kernel for small batches (auto: where it builds, else oneDNN), "
+        "oneDNN-packed projections, or plain torch",
+    )
+    p.add_argument("--cache-tokens", type=int, default=16384, help="KV-cache budget in token slots")
+    p.add_argument("--session-ttl", type=float, default=300.0, help="keep a finished session's cache this long (s)")
+    p.add_argument("--idle-timeout", type=float, default=300.0, help="close a stream idle for this long (s)")
+    p.add_argument("--max-sessions", type=int, default=4096, help="sessions of all peers together")
+    p.add_argument("--max-sessions-per-peer", type=int, default=256, help="open sessions of one client peer")
+    p.add_argument(
+        "--max-tensor-bytes", type=int, default=256 * 2**20, help="reject larger tensors before decoding them"
+    )
+    add_listen_flags(p, "the server's libp2p transport", 0)
+    p.add_argument("--dht-prefix", default=None, help="DHT namespace (default: the model's basename)")
+    p.add_argument("--update-period", type=float, default=5.0, help="seconds between DHT announcements")
+    p.add_argument("--throughput", type=float, default=None, help="announce this tok/s instead of measuring")
+    p.add_argument("--torch-threads", type=int, default=None, help="torch's intra-op threads (default: torch's)")
+    p.add_argument("--public-name", default=None, help="a name shown in `swarmserve status` and /swarm")
+    p.add_argument("--metrics-port", type=int, default=0, help="serve Prometheus metrics on this port (0: off)")
+    p.add_argument(
+        "--balance-quality",
+        type=float,
+        default=0.75,
+        help="with --num-blocks: move only if the swarm's weakest block gets 1/Q times stronger (0 < Q <= 1)",
+    )
+    p.add_argument(
+        "--rebalance-period",
+        type=float,
+        default=60.0,
+        help="with --num-blocks: seconds between checks whether to move to weaker blocks (0: never move)",
+    )
+    p.add_argument(
+        "--fault",
+        default=None,
+        metavar="KIND[:AFTER]",
+        help=f"testing only: misbehave after AFTER inference steps (KIND: {FAULTS})",
+    )
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace, rest: list[str]) -> int:
+    import torch
+
+    from swarm_client.config import parse_initial_peers
+    from worker.server import WorkerConfig, run_worker
+
+    if args.torch_threads:
+        torch.set_num_threads(args.torch_threads)
+    run_worker(
+        WorkerConfig(
+            model=args.model,
+            initial_peers=parse_initial_peers(args.initial_peers),
+            blocks=args.blocks,
+            num_blocks=args.num_blocks,
+            device=args.device,
+            dtype=args.dtype,
+            cpu_kernels=args.cpu_kernels,
+            cache_tokens=args.cache_tokens,
+            session_ttl=args.session_ttl,
+            idle_timeout=args.idle_timeout,
+            max_sessions=args.max_sessions,
+            max_sessions_per_peer=args.max_sessions_per_peer,
+            max_tensor_bytes=args.max_tensor_bytes,
+            host=args.host,
+            port=args.port,
+            dht_prefix=args.dht_prefix,
+            update_period=args.update_period,
+            throughput=args.throughput,
+            public_name=args.public_name,
+            balance_quality=args.balance_quality,
+            rebalance_period=args.rebalance_period,
+            fault=args.fault,
+            metrics_port=args.metrics_port,
+        )
+    )
+    return 0
