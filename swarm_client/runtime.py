@@ -1,7 +1,7 @@
 """One background asyncio loop per process that owns all of the client's network I/O.
 
 🤗 models are synchronous; hivemind is asyncio. Sync code submits coroutines here with ``run``;
-async code (the gateway) can ``await`` them through ``arun`` without blocking its own loop.
+async code (an HTTP server, say) can ``await`` them through ``arun`` without blocking its own loop.
 """
 
 from __future__ import annotations

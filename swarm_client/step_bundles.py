@@ -1,7 +1,7 @@
 """Bundled steps: the decode steps of all of a client's sessions on one server, one message per hop.
 
 With N concurrent sessions each step costs N messages per hop each way, and every message pays for
-protobuf, two p2p daemons and a wake-up of an asyncio task on both sides; on a CPU-bound gateway that
+protobuf, two p2p daemons and a wake-up of an asyncio task on both sides; on a CPU-bound client process that
 handling, not the servers' batched compute, is what limits throughput. A ``StepBundler`` owns one
 long-lived ``rpc_steps`` stream per server (``protocol``): steps submitted in the same event-loop
 iteration travel as one message, the server batches them together and answers in one message, and each

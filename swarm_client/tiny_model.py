@@ -4,7 +4,7 @@ The model is a genuine 🤗 checkpoint (``config.json``, ``model.safetensors``, 
 of one of the families swarmserve serves, so every code path (rotary scaling, GQA, MoE, ALiBi, biases,
 tied or untied heads) can be checked against ``AutoModelForCausalLM.from_pretrained(OUT)`` without the
 Hub. The tokenizer is a byte-level BPE trained here on a few built-in paragraphs: it round-trips any
-unicode text and carries a ChatML chat template, so the gateway's chat path works end to end.
+unicode text and carries a ChatML chat template, so chat-template paths (the OpenAI chat API) work end to end.
 
 Everything is deterministic: the same ``seed`` gives byte-identical ``model.safetensors``.
 """
