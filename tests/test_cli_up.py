@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import re
+import shlex
 import shutil
 import signal
 import socket
@@ -94,6 +95,25 @@ def test_pipeline_groups_flag_is_auto_by_default_and_checked(command: str) -> No
     assert parse_args(["--pipeline-groups", "1"]).pipeline_groups == 1
 
 
+def test_cli_version_help_and_checked_flags() -> None:
+    from swarmserve import __version__
+    from swarmserve.cli import build_parser
+
+    version = _run("--version")
+    assert version.returncode == 0 and version.stdout.strip() == f"swarmserve {__version__}"
+    up_help = " ".join(_run("up", "--help").stdout.split())  # argparse wraps at the terminal width
+    assert "(default: 2)" in up_help and "(default: HuggingFaceTB/SmolLM2-135M-Instruct)" in up_help
+    assert "(default: 127.0.0.1)" in up_help and "(default: 8000)" in up_help
+    parser = build_parser()
+    assert parser.parse_args(["--log-level", "debug", "status", "--initial-peers", "x"]).log_level == "DEBUG"
+    for bad in (["--log-level", "LOUD", "status", "--initial-peers", "x"], ["up", "--port", "70000"]):
+        with pytest.raises(SystemExit):
+            parser.parse_args(bad)
+    # status without --model reads the model `swarmserve up` serves by default
+    args = parser.parse_args(["status", "--initial-peers", "x"])
+    assert args.model is None and args.num_blocks is None
+
+
 def test_render_status_flags_gaps() -> None:
     spans = {"peerA": _span("peerA", 0, 3), "peerB": _span("peerB", 3, 5, ServerState.JOINING)}
     text, missing = render_status("m", 6, spans)
@@ -114,6 +134,7 @@ class Up:
     base_url: str
     dht_maddr: str
     model_dir: str
+    status_command: list[str]
 
 
 @pytest.fixture(scope="module")
@@ -137,7 +158,8 @@ def up(tiny_llama: str) -> Iterator[Up]:
         base_url = cli.wait_for(URL_LINE, START_TIMEOUT).group(1)
         assert base_url == f"http://127.0.0.1:{port}/v1"
         cli.wait_for(re.compile(r"curl -N "), 5)
-        yield Up(cli, base_url, dht, tiny_llama)
+        status_line = cli.wait_for(re.compile(r"^\s*swarmserve (status .*)$"), 5).group(1)
+        yield Up(cli, base_url, dht, tiny_llama, shlex.split(status_line))
     finally:
         if cli.popen.poll() is None:  # the last test did not get to stop it: still stop it cleanly
             cli.popen.send_signal(signal.SIGINT)
@@ -166,7 +188,8 @@ def test_up_serves_the_openai_api(up: Up) -> None:
 
 
 def test_status_against_a_running_swarm(up: Up) -> None:
-    ok = _run("status", "--initial-peers", up.dht_maddr, "--model", up.model_dir)
+    assert up.status_command == ["status", "--initial-peers", up.dht_maddr, "--model", up.model_dir]
+    ok = _run(*up.status_command)  # exactly what `up` told the user to run
     assert ok.returncode == 0, ok.stdout + ok.stderr
     assert "fully covered" in ok.stdout
     rows = [line.split() for line in ok.stdout.splitlines() if re.search(r" \d+:\d+ +ONLINE ", line)]
