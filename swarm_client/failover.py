@@ -1,0 +1,170 @@
+"""Getting a span served despite failing servers: routing with bans and retries, replacements, spot checks.
+
+The session's bookkeeping (which hop sits where, its history, counters) stays in ``session``; the functions
+here find and open servers for one span and say whether a server's output is suspect. A replacement is
+replayed the span's input history *at position 0 of its new sessions*, so the step continues at the right
+position — the bug that breaks Petals' failover.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+import torch
+
+from swarm_client.errors import (
+    InvalidInputError,
+    LengthExceededError,
+    NoRouteError,
+    PeerError,
+    RemoteError,
+    SessionLost,
+)
+from swarm_client.history import HistoryBuffer
+from swarm_client.routing import RouteHop, find_route
+from swarm_client.sequence_manager import SequenceManager
+from swarm_client.server_session import _ServerSession, close_all
+
+#: errors that are the caller's fault: never retried on another server
+CALLER_ERRORS = (InvalidInputError, LengthExceededError)
+
+#: opens one server session per hop (all or none), as ``InferenceSession._open_hops`` does
+OpenHops = Callable[[list[RouteHop]], Awaitable[list[_ServerSession]]]
+
+
+async def open_span(
+    manager: SequenceManager, start: int, end: int, cache_tokens: int, open_hops: OpenHops
+) -> list[_ServerSession]:
+    """Route ``[start, end)`` and open streams, banning servers that fail until the failover deadline."""
+    deadline = time.monotonic() + manager.config.failover_deadline
+    while True:
+        try:
+            hops = await manager.make_route(start, end, cache_tokens_needed=cache_tokens)
+            return await open_hops(hops)
+        except CALLER_ERRORS:
+            raise
+        except NoRouteError:
+            if time.monotonic() + 0.5 > deadline:
+                raise
+            await asyncio.sleep(0.5)
+        except (PeerError, RemoteError) as e:
+            if getattr(e, "peer_id", None):
+                manager.ban(e.peer_id, str(e))
+            if time.monotonic() > deadline:
+                raise
+
+
+async def replace_span(
+    manager: SequenceManager,
+    failed: RouteHop,
+    replay_input: torch.Tensor | None,
+    error: Exception,
+    deadline: float,
+    cache_tokens: int,
+    open_hops: OpenHops,
+) -> tuple[list[_ServerSession], list[HistoryBuffer]]:
+    """Route ``failed``'s span anew and replay ``replay_input`` (the span's inputs so far) into the new hops.
+
+    Servers that fail meanwhile are banned; past ``deadline`` this raises ``SessionLost``. Returns the new
+    server sessions and their histories.
+    """
+    config = manager.config
+    while True:
+        if time.monotonic() > deadline:
+            raise SessionLost(
+                f"could not replace server {failed.peer_id} for blocks {failed.start}:{failed.end} "
+                f"within {config.failover_deadline:.0f}s (last error: {error})"
+            )
+        sessions: list[_ServerSession] = []
+        try:
+            hops = await manager.make_route(failed.start, failed.end, cache_tokens_needed=cache_tokens)
+            sessions = await open_hops(hops)
+            histories: list[HistoryBuffer] = []
+            replay = replay_input
+            for session in sessions:
+                history = HistoryBuffer()
+                if replay is not None:
+                    history.write(0, replay)
+                    replay = await session.step(replay, 0, config.step_timeout)
+                histories.append(history)
+            return sessions, histories
+        except CALLER_ERRORS:
+            raise
+        except NoRouteError as e:
+            error = e
+            if time.monotonic() + 0.5 > deadline:
+                raise
+            await asyncio.sleep(0.5)
+        except (PeerError, RemoteError) as e:
+            error = e
+            await close_all(sessions)
+            if getattr(e, "peer_id", None):
+                manager.ban(e.peer_id, str(e))
+            await asyncio.sleep(0.1)
+
+
+@dataclass(frozen=True)
+class SpotCheck:
+    """One step of ``hop`` recomputed by ``checkers``: ``difference`` is the relative distance between them."""
+
+    hop: RouteHop
+    checkers: list[RouteHop]
+    difference: float
+
+    def disagreement(self) -> PeerError:
+        """The checked server's fault, to raise when ``difference`` is past the tolerance."""
+        return PeerError(
+            f"spot check: server {self.hop.peer_id} disagrees with {[c.peer_id for c in self.checkers]} on "
+            f"blocks {self.hop.start}:{self.hop.end} (relative difference {self.difference:.3g})",
+            self.hop.peer_id,
+        )
+
+
+async def spot_check(
+    manager: SequenceManager,
+    hop: RouteHop,
+    history: HistoryBuffer,
+    x: torch.Tensor,
+    out: torch.Tensor,
+    position: int,
+) -> SpotCheck | None:
+    """With probability ``spot_check_rate``, recompute ``hop``'s step (input ``x`` at ``position``, output
+    ``out``) on other servers holding the same blocks: a stateless forward over the hop's whole input
+    history. None when no check ran (not drawn, unknown history, nobody else, or the checker failed)."""
+    from swarm_client.remote_sequential import _call_stream  # local import: that module imports session
+
+    rate = manager.config.spot_check_rate
+    if rate <= 0 or random.random() >= rate or history.unknown:
+        return None
+    prefix = history.read(position)
+    full = x if prefix is None else torch.cat([prefix, x], 1)
+    try:
+        checkers = find_route(
+            manager.spans,
+            hop.start,
+            hop.end,
+            rtt=manager.rtt,
+            banned=manager.bans.banned() | {hop.peer_id},
+        )
+    except NoRouteError:
+        return None  # nobody else holds these blocks: nothing to compare with
+    reference = full
+    try:
+        for checker in checkers:
+            (reference,) = await _call_stream(
+                manager,
+                checker.peer_id,
+                "rpc_forward",
+                [reference],
+                start_block=checker.start,
+                end_block=checker.end,
+            )
+    except (PeerError, RemoteError):
+        return None  # the checker failed; the step itself is not suspect
+    reference = reference[:, -x.shape[1] :].to(out.dtype)
+    difference = float((out - reference).norm() / reference.norm().clamp_min(1e-6))
+    return SpotCheck(hop, checkers, difference)

@@ -1,0 +1,193 @@
+"""One span's bidirectional stream to one server: open, step at explicit positions, close.
+
+A ``_ServerSession`` holds no client-side history; ``session.InferenceSession`` keeps that (``history``)
+and decides what to do when a stream fails (``failover``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+
+import torch
+
+from swarm_client import protocol
+from swarm_client.errors import PeerError, PeerTimeout, SwarmError, error_from_wire
+from swarm_client.routing import RouteHop
+from swarm_client.sequence_manager import SequenceManager
+
+#: steps up to this size travel in step bundles (decode steps); larger ones (prefills) on their own stream
+BUNDLE_MAX_BYTES = 2**18
+
+
+class _ServerSession:
+    """One server's stream: open, step at explicit positions, close (optionally keeping the cache)."""
+
+    def __init__(self, manager: SequenceManager, hop: RouteHop, session_id: str, batch_group: int | None = None):
+        self.manager = manager
+        self.hop = hop
+        self.session_id = session_id
+        #: the pipeline group sent with every step (``ClientConfig.pipeline_groups``); None: no group
+        self.batch_group = batch_group
+        self.position = 0
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self._responses: AsyncIterator | None = None
+        #: responses (or the exception that ended the stream) pulled by one reader task per stream, so a
+        #: timed-out wait can be abandoned without cancelling the transport's generator mid-message
+        self._inbox: asyncio.Queue = asyncio.Queue()
+        self._reader: asyncio.Task | None = None
+        self.closed = False
+
+    async def _requests(self):
+        while True:
+            item = await self._queue.get()
+            if item is None:
+                return
+            yield item
+
+    async def _read_responses(self) -> None:
+        try:
+            async for response in self._responses:
+                self._inbox.put_nowait(response)
+            self._inbox.put_nowait(StopAsyncIteration())
+        except Exception as e:
+            self._inbox.put_nowait(e)
+
+    async def _next_response(self, timeout: float):
+        """The next response; a server that is silent past ``probe_after`` is pinged, and a failed ping
+        (a SIGKILLed worker whose p2p daemon still holds the connection) fails the step at once."""
+        config = self.manager.config
+        deadline = time.monotonic() + timeout
+        wait = min(config.probe_after, timeout)
+        while True:
+            try:
+                async with asyncio.timeout(wait):
+                    return await self._inbox.get()
+            except TimeoutError:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise PeerTimeout(
+                        f"server {self.hop.peer_id} did not answer within {timeout:.1f}s", self.hop.peer_id
+                    ) from None
+                try:
+                    await self.manager.info(self.hop.peer_id, timeout=min(config.ping_timeout, remaining))
+                except PeerTimeout:
+                    pass  # a slow ping proves nothing (a busy server); keep waiting until the step timeout
+                except PeerError as e:  # refused: the server process is gone even if its connection lingers
+                    raise PeerError(f"server {self.hop.peer_id} stopped answering: {e}", self.hop.peer_id) from e
+                wait = min(config.probe_after, max(deadline - time.monotonic(), 0.001))
+
+    async def _exchange(
+        self, request, timeout: float, step_id: str | None = None
+    ) -> tuple[list[torch.Tensor], dict]:
+        """Send ``request`` and return its answer. With ``step_id``, answers to other steps (a pushed copy
+        of a step the client later redid elsewhere) are skipped."""
+        self._queue.put_nowait(request)
+        return await self._answer(timeout, step_id)
+
+    async def _answer(self, timeout: float, step_id: str | None = None) -> tuple[list[torch.Tensor], dict]:
+        """The answer to the step in flight, from this stream or from a step bundle (``step_bundles``)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            response = await self._next_response(max(deadline - time.monotonic(), 0.001))
+            if isinstance(response, StopAsyncIteration):
+                raise PeerError(f"server {self.hop.peer_id} closed the stream", self.hop.peer_id)
+            if isinstance(response, SwarmError):
+                raise response
+            if isinstance(response, Exception):
+                raise PeerError(
+                    f"server {self.hop.peer_id} stream failed: {response}", self.hop.peer_id
+                ) from response
+            if isinstance(response, tuple):  # delivered by a step bundle, already unpacked
+                serialized, metadata = response
+            else:
+                serialized, metadata = response.tensors, protocol.unpack_metadata(response.metadata)
+            answered = metadata.get("step_id")
+            if step_id is None or answered is None or answered == step_id:
+                break
+        if "error" in metadata:
+            raise error_from_wire(metadata["error"], peer_id=self.hop.peer_id)
+        return [protocol.deserialize(t) for t in serialized], metadata
+
+    async def open(self, max_length: int, batch_size: int, resume: bool, timeout: float) -> int:
+        stub = await self.manager.stub(self.hop.peer_id)
+        try:
+            self._responses = await asyncio.wait_for(stub.rpc_inference(self._requests()), timeout)
+        except Exception as e:
+            raise PeerError(f"could not open a stream to {self.hop.peer_id}: {e}", self.hop.peer_id) from e
+        self._reader = asyncio.create_task(self._read_responses())
+        spec = {
+            "session_id": self.session_id,
+            "max_length": max_length,
+            "batch_size": batch_size,
+            "resume": resume,
+            "start_block": self.hop.start,
+            "end_block": self.hop.end,
+        }
+        _, metadata = await self._exchange(protocol.make_request(open=spec), timeout)
+        self.position = int(metadata.get("position", 0))
+        return self.position
+
+    async def step(
+        self,
+        hidden: torch.Tensor,
+        position: int,
+        timeout: float,
+        output_hidden_states: bool = False,
+        step_id: str | None = None,
+        push_chain: list[dict] | None = None,
+    ) -> torch.Tensor:
+        """One step; ``push_chain`` (the next hops' peer and session ids) asks the server to push its
+        output on to the first of them (see ``protocol``)."""
+        extra = {} if step_id is None else {"step_id": step_id, "push_chain": push_chain or []}
+        if self.batch_group is not None:
+            extra["batch_group"] = self.batch_group
+        compression = self.manager.config.compression
+        bundler = None
+        if step_id is None and hidden.numel() * hidden.element_size() <= BUNDLE_MAX_BYTES:
+            bundler = self.manager.step_bundler(self.hop.peer_id)
+        if bundler is not None:  # one message with the other sessions' steps to this server
+            step = {"session_id": self.session_id, "position": position, **extra}
+            if output_hidden_states:
+                step["output_hidden_states"] = True
+            bundler.submit(self._inbox, protocol.serialize(hidden, compression), step)
+            tensors, metadata = await self._answer(timeout)
+        else:
+            request = protocol.make_request(
+                [hidden],
+                compression=compression,
+                position=position,
+                output_hidden_states=output_hidden_states,
+                compression_out=compression,
+                **extra,
+            )
+            tensors, metadata = await self._exchange(request, timeout, step_id)
+        expected = (self.hop.end - self.hop.start, *hidden.shape) if output_hidden_states else tuple(hidden.shape)
+        if len(tensors) != 1 or tuple(tensors[0].shape) != expected:
+            got = [tuple(t.shape) for t in tensors]
+            raise PeerError(f"server {self.hop.peer_id} returned shapes {got}, expected {expected}", self.hop.peer_id)
+        out = tensors[0]
+        if not torch.isfinite(out).all():
+            raise PeerError(f"server {self.hop.peer_id} returned non-finite activations", self.hop.peer_id)
+        self.position = int(metadata.get("position", position + hidden.shape[1]))
+        return out
+
+    async def close(self, keep: bool = False) -> None:
+        """Tell the server whether to keep the cache, end our side, and let the stream wind down."""
+        if self.closed:
+            return
+        self.closed = True
+        if self._responses is not None:
+            self._queue.put_nowait(protocol.make_request(close={"keep": keep}))
+        self._queue.put_nowait(None)
+        if self._reader is not None:
+            try:
+                await asyncio.wait_for(asyncio.shield(self._reader), 2.0)
+            except Exception:
+                self._reader.cancel()  # the server frees the session when the stream breaks anyway
+
+
+async def close_all(sessions: list[_ServerSession], keep: bool = False) -> None:
+    """Close every session at once; a failure to close one is not an error (its server frees it anyway)."""
+    await asyncio.gather(*(s.close(keep=keep) for s in sessions), return_exceptions=True)
