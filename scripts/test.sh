@@ -5,6 +5,18 @@ cd "$(dirname "$0")/.."
 scripts/setup.sh test
 # shellcheck disable=SC1091
 . .venv/bin/activate
+# What the integration tests need outside Python, installed when missing and we may (root, Debian):
+# redis-server (affinity, rate limits) and chromium (the /swarm and /docs pages in a real browser).
+# SWARMSERVE_REQUIRE (set by .ci/run) turns the tests' skips for what is still missing into failures.
+missing=""
+command -v redis-server >/dev/null 2>&1 || [ -n "${REDIS_URL:-}" ] || missing="$missing redis-server"
+command -v chromium >/dev/null 2>&1 || missing="$missing chromium"
+if [ -n "$missing" ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+  echo "installing:$missing"
+  # shellcheck disable=SC2086
+  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $missing >/dev/null \
+    || echo "could not install$missing: the tests that need them skip (or fail under SWARMSERVE_REQUIRE)"
+fi
 redis_pid=""
 if [ -z "${REDIS_URL:-}" ] && command -v redis-server >/dev/null 2>&1; then
   port=$(python -c "import socket; s=socket.socket(); s.bind(('127.0.0.1', 0)); print(s.getsockname()[1])")
@@ -14,10 +26,6 @@ if [ -z "${REDIS_URL:-}" ] && command -v redis-server >/dev/null 2>&1; then
 fi
 trap '[ -n "$redis_pid" ] && kill "$redis_pid" 2>/dev/null || true' EXIT
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
-# Debian's chromium renders the /swarm page in tests/test_swarm_page.py; without it those tests skip.
-command -v chromium >/dev/null 2>&1 || { [ "$(id -u)" = 0 ] && apt-get update -qq \
-  && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; } \
-  || echo "chromium missing: the /swarm browser tests will be skipped"
 ruff check .
 if [ "$#" -gt 0 ]; then
   python -m pytest "$@"

