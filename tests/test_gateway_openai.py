@@ -57,8 +57,18 @@ def test_full_model_id_and_developer_role_and_content_parts(gw, client):
         {"role": "developer", "content": "Be brief."},
         {"role": "user", "content": [{"type": "text", "text": "Tell me"}, {"type": "text", "text": "more."}]},
     ]
-    r = client.chat.completions.create(model=gw.backend.model_id, messages=messages, max_tokens=4)
-    assert r.choices[0].finish_reason in ("stop", "length")
+    r = client.chat.completions.create(model=gw.backend.model_id, messages=messages, max_tokens=4, temperature=0)
+    assert r.model == gw.backend.model_id
+    # the developer message is the system prompt and the parts are one user text: exactly this prompt
+    rendered = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Tell me\nmore."}]
+    prompt = tiny_tokenizer().apply_chat_template(rendered, add_generation_prompt=True, tokenize=True)
+    prompt_ids = prompt["input_ids"] if hasattr(prompt, "keys") else prompt
+    assert r.usage.prompt_tokens == len(prompt_ids)
+    same = client.chat.completions.create(model=gw.model, messages=rendered, max_tokens=4, temperature=0)
+    assert r.choices[0].message.content == same.choices[0].message.content
+    assert r.usage.prompt_tokens == same.usage.prompt_tokens
+    without_developer = client.chat.completions.create(model=gw.model, messages=messages[1:], max_tokens=1)
+    assert without_developer.usage.prompt_tokens < r.usage.prompt_tokens  # the system text was counted
 
 
 def test_streamed_chat_equals_non_streamed_for_greedy(gw, client):
