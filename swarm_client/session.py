@@ -256,7 +256,7 @@ class InferenceSession:
 
     # ------------------------------------------------------------------ resuming across requests
     def export_state(self) -> dict:
-        """What another request (or gateway replica) needs to resume this session's server-side caches."""
+        """What another request (or another process) needs to resume this session's server-side caches."""
         return {
             "session_id": self.session_id,
             "position": self.position,
