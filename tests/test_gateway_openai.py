@@ -2,7 +2,7 @@
 
 import pytest
 
-from tests.gateway_fixtures import Gateway, shared_gateway, tiny_tokenizer
+from tests.gateway_fixtures import Gateway, collect_stream, shared_gateway, tiny_tokenizer
 
 HELLO = [{"role": "user", "content": "Tell me about the swarm."}]
 
@@ -15,23 +15,6 @@ def gw() -> Gateway:
 @pytest.fixture(scope="module")
 def client(gw):
     return gw.client()
-
-
-def _stream_text(stream) -> tuple[dict[int, str], dict[int, str], list]:
-    texts: dict[int, str] = {}
-    finishes: dict[int, str] = {}
-    usage_chunks = []
-    for chunk in stream:
-        if not chunk.choices:
-            usage_chunks.append(chunk)
-        for c in chunk.choices:
-            delta = getattr(c, "delta", None)
-            piece = delta.content if delta is not None else c.text
-            texts[c.index] = texts.get(c.index, "") + (piece or "")
-            if c.finish_reason is not None:
-                assert c.index not in finishes, "finish_reason sent twice"
-                finishes[c.index] = c.finish_reason
-    return texts, finishes, usage_chunks
 
 
 def test_chat_completion(gw, client):
@@ -74,7 +57,7 @@ def test_full_model_id_and_developer_role_and_content_parts(gw, client):
 def test_streamed_chat_equals_non_streamed_for_greedy(gw, client):
     kw = dict(model=gw.model, messages=HELLO, max_tokens=24, temperature=0, n=2)
     full = client.chat.completions.create(**kw)
-    texts, finishes, usage_chunks = _stream_text(client.chat.completions.create(stream=True, **kw))
+    texts, finishes, usage_chunks = collect_stream(client.chat.completions.create(stream=True, **kw))
     assert usage_chunks == []
     for c in full.choices:
         assert texts[c.index] == c.message.content
@@ -86,7 +69,7 @@ def test_stream_include_usage(gw, client):
     kw = dict(model=gw.model, messages=HELLO, max_tokens=10, temperature=0)
     full = client.chat.completions.create(**kw)
     stream = client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kw)
-    texts, finishes, usage_chunks = _stream_text(stream)
+    texts, finishes, usage_chunks = collect_stream(stream)
     (last,) = usage_chunks
     assert last.choices == []
     assert last.usage.prompt_tokens == full.usage.prompt_tokens
@@ -108,7 +91,7 @@ def test_stop_sequence_found_in_greedy_output(gw, client):
     r = client.chat.completions.create(stop=[stop, "never-in-output-xyz"], **kw)
     assert r.choices[0].finish_reason == "stop"
     assert r.choices[0].message.content == expected
-    texts, finishes, _ = _stream_text(client.chat.completions.create(stop=stop, stream=True, **kw))
+    texts, finishes, _ = collect_stream(client.chat.completions.create(stop=stop, stream=True, **kw))
     assert texts[0] == expected
     assert finishes[0] == "stop"
 
@@ -122,7 +105,7 @@ def test_seeded_sampling_reproduces_and_seeds_differ(gw, client):
     assert texts(a) == texts(b)
     assert texts(a) != texts(c)
     assert texts(a)[0] != texts(a)[1]  # each choice has its own seed
-    streamed, _, _ = _stream_text(client.chat.completions.create(seed=7, stream=True, **kw))
+    streamed, _, _ = collect_stream(client.chat.completions.create(seed=7, stream=True, **kw))
     assert [streamed[0], streamed[1]] == texts(a)
 
 
@@ -198,7 +181,7 @@ def test_completions_prompt_shapes(gw, client):
 def test_completions_streaming_equals_non_streaming(gw, client):
     kw = dict(model=gw.model, prompt=["The swarm is", "A server"], max_tokens=16, temperature=0)
     full = client.completions.create(**kw)
-    texts, finishes, usage_chunks = _stream_text(
+    texts, finishes, usage_chunks = collect_stream(
         client.completions.create(stream=True, stream_options={"include_usage": True}, **kw)
     )
     assert {c.index: c.text for c in full.choices} == texts

@@ -20,7 +20,7 @@ import pytest
 from gateway import LocalBackend
 from gateway.engine import eos_token_ids
 from gateway.swarm_backend import SwarmBackend
-from tests.gateway_fixtures import Gateway, start_gateway
+from tests.gateway_fixtures import Gateway, collect_stream, start_gateway
 from tests.swarm_fixtures import Swarm, swarm
 
 pytestmark = pytest.mark.slow
@@ -59,23 +59,6 @@ def client(swarm_gw: Gateway) -> openai.OpenAI:
     return swarm_gw.client()
 
 
-def _stream(stream) -> tuple[dict[int, str], dict[int, str], list]:
-    texts: dict[int, str] = {}
-    finishes: dict[int, str] = {}
-    usage = []
-    for chunk in stream:
-        if not chunk.choices:
-            usage.append(chunk.usage)
-        for c in chunk.choices:
-            delta = getattr(c, "delta", None)
-            piece = delta.content if delta is not None else c.text
-            texts[c.index] = texts.get(c.index, "") + (piece or "")
-            if c.finish_reason is not None:
-                assert c.index not in finishes, "finish_reason sent twice"
-                finishes[c.index] = c.finish_reason
-    return texts, finishes, usage
-
-
 def _wait_for(predicate, timeout: float, what: str, interval: float = 0.2):
     deadline = time.monotonic() + timeout
     last = None
@@ -104,9 +87,10 @@ def test_chat_and_completion(swarm_gw: Gateway, client: openai.OpenAI) -> None:
 def test_streamed_equals_non_streamed_with_n_and_usage(swarm_gw: Gateway, client: openai.OpenAI) -> None:
     kw = dict(model=swarm_gw.model, messages=HELLO, max_tokens=20, temperature=0, n=2)
     full = client.chat.completions.create(**kw)
-    texts, finishes, usage = _stream(
+    texts, finishes, usage_chunks = collect_stream(
         client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kw)
     )
+    usage = [chunk.usage for chunk in usage_chunks]
     assert [texts[c.index] for c in full.choices] == [c.message.content for c in full.choices]
     assert [finishes[c.index] for c in full.choices] == [c.finish_reason for c in full.choices]
     assert full.choices[0].message.content == full.choices[1].message.content  # greedy: n equal copies
@@ -115,7 +99,7 @@ def test_streamed_equals_non_streamed_with_n_and_usage(swarm_gw: Gateway, client
 
     ckw = dict(model=swarm_gw.model, prompt=["The swarm is", "A server"], max_tokens=12, temperature=0)
     cfull = client.completions.create(**ckw)
-    ctexts, _, _ = _stream(client.completions.create(stream=True, **ckw))
+    ctexts, _, _ = collect_stream(client.completions.create(stream=True, **ckw))
     assert ctexts == {c.index: c.text for c in cfull.choices}
 
 
@@ -174,7 +158,7 @@ def test_concurrent_chats_are_decoded_together_and_exact(
         stream = client.chat.completions.create(
             model=swarm_gw.model, messages=[{"role": "user", "content": prompt}], stream=True, **kw
         )
-        return _stream(stream)[0][0]
+        return collect_stream(stream)[0][0]
 
     with ThreadPoolExecutor(len(prompts)) as pool:
         got = list(pool.map(chat, prompts))
