@@ -19,6 +19,9 @@ from typing import NoReturn
 
 import pytest
 
+# the shared helpers assert too: rewrite their asserts so a failure shows the values, as in a test module
+pytest.register_assert_rewrite("tests.gateway_fixtures", "tests.swarm_fixtures")
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 

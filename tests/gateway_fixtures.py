@@ -8,7 +8,7 @@ which counts sessions and can slow down or break steps on demand.
 
 Readers: ``collect_stream`` (an SDK stream → text, finish reason and usage chunks per choice), ``chat``
 (one greedy chat turn → text, usage), ``chat_prompt_ids`` + ``greedy_reference`` (what a gateway must answer,
-computed with plain 🤗 ``transformers`` from the same checkpoint).
+computed with plain 🤗 ``transformers`` from the same checkpoint), ``assert_greedy`` (an answer is exactly it).
 """
 
 from __future__ import annotations
@@ -70,6 +70,12 @@ def chat_prompt_ids(messages: list[dict], model_dir: str | Path | None = None) -
     return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
 
+def text_prompt_ids(text: str, model_dir: str | Path | None = None) -> list[int]:
+    """A text completion's prompt as the model's tokenizer encodes it."""
+    _, tokenizer = _reference(str(model_dir or tiny_model_dir()))
+    return list(tokenizer(text, add_special_tokens=True)["input_ids"])
+
+
 @dataclass(frozen=True)
 class Greedy:
     """A greedy continuation computed with 🤗 ``transformers``: what a gateway at temperature 0 must send."""
@@ -98,6 +104,26 @@ def greedy_reference(prompt_ids: list[int], max_tokens: int, model_dir: str | Pa
                 return Greedy(out, logprobs, tokenizer.decode(out[:-1], skip_special_tokens=True), "stop")
             logprobs.append(float(lp[token]))
     return Greedy(out, logprobs, tokenizer.decode(out, skip_special_tokens=True), "length")
+
+
+def assert_greedy(
+    response: Any, prompt_ids: list[int], max_tokens: int, model_dir: str | Path | None = None
+) -> Greedy:
+    """An SDK chat or text completion served at temperature 0 (one choice) is exactly ``greedy_reference``:
+    the same text, finish reason, token counts, and — when it carries logprobs — the same logprobs."""
+    ref = greedy_reference(prompt_ids, max_tokens, model_dir)
+    (choice,) = response.choices
+    message = getattr(choice, "message", None)
+    text = message.content if message is not None else choice.text
+    assert (text, choice.finish_reason) == (ref.text, ref.finish_reason)
+    usage = response.usage
+    assert (usage.prompt_tokens, usage.completion_tokens) == (len(prompt_ids), len(ref.token_ids))
+    content = getattr(choice.logprobs, "content", None) if choice.logprobs is not None else None
+    if content is not None:
+        got = [e.logprob for e in content]
+        assert len(got) == len(ref.logprobs)
+        assert max((abs(a - b) for a, b in zip(got, ref.logprobs, strict=True)), default=0.0) < 1e-4
+    return ref
 
 
 def collect_stream(stream: Any) -> tuple[dict[int, str], dict[int, str], list[Any]]:

@@ -37,6 +37,8 @@ from tests.gateway_fixtures import (
     REQUEST_TIMEOUT_S,
     Gateway,
     InstrumentedBackend,
+    assert_greedy,
+    chat_prompt_ids,
     start_gateway,
     tiny_model_dir,
     tiny_tokenizer,
@@ -126,8 +128,8 @@ def test_missing_or_wrong_key_is_401_in_the_envelope(guarded: Gateway) -> None:
 def test_right_key_works_through_the_openai_sdk(guarded: Gateway) -> None:
     client = _sdk(guarded)
     assert [m.id for m in client.models.list().data] == [guarded.backend.model_id]
-    r = client.chat.completions.create(model=guarded.model, messages=HELLO, max_tokens=3)
-    assert r.choices[0].finish_reason in ("stop", "length") and r.usage.completion_tokens >= 1
+    r = client.chat.completions.create(model=guarded.model, messages=HELLO, max_tokens=3, temperature=0)
+    assert_greedy(r, chat_prompt_ids(HELLO), 3)  # served, and served right
 
 
 def test_keys_come_from_env_and_a_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

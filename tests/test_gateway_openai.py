@@ -2,7 +2,14 @@
 
 import pytest
 
-from tests.gateway_fixtures import Gateway, collect_stream, shared_gateway, tiny_tokenizer
+from tests.gateway_fixtures import (
+    Gateway,
+    assert_greedy,
+    chat_prompt_ids,
+    collect_stream,
+    shared_gateway,
+    tiny_tokenizer,
+)
 
 HELLO = [{"role": "user", "content": "Tell me about the swarm."}]
 
@@ -25,11 +32,8 @@ def test_chat_completion(gw, client):
     (choice,) = r.choices
     assert choice.message.role == "assistant"
     assert isinstance(choice.message.content, str)
-    assert choice.finish_reason in ("stop", "length")
-    prompt = tiny_tokenizer().apply_chat_template(HELLO, add_generation_prompt=True, tokenize=True)
-    prompt_ids = prompt["input_ids"] if hasattr(prompt, "keys") else prompt
-    assert r.usage.prompt_tokens == len(prompt_ids)
-    assert 1 <= r.usage.completion_tokens <= 12
+    # text, finish reason and both token counts: what 🤗 transformers decodes greedily from the same prompt
+    assert_greedy(r, chat_prompt_ids(HELLO), 12)
     assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
     assert r.usage.prompt_tokens_details.cached_tokens == 0
     assert gw.backend.wait_all_closed()
@@ -40,13 +44,14 @@ def test_full_model_id_and_developer_role_and_content_parts(gw, client):
         {"role": "developer", "content": "Be brief."},
         {"role": "user", "content": [{"type": "text", "text": "Tell me"}, {"type": "text", "text": "more."}]},
     ]
-    r = client.chat.completions.create(model=gw.backend.model_id, messages=messages, max_tokens=4, temperature=0)
+    r = client.chat.completions.create(
+        model=gw.backend.model_id, messages=messages, max_tokens=4, temperature=0, logprobs=True
+    )
     assert r.model == gw.backend.model_id
-    # the developer message is the system prompt and the parts are one user text: exactly this prompt
+    # the developer message is the system prompt and the parts are one user text: exactly this prompt (its
+    # token count, and every logprob of the reply, which depends on each prompt token)
     rendered = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Tell me\nmore."}]
-    prompt = tiny_tokenizer().apply_chat_template(rendered, add_generation_prompt=True, tokenize=True)
-    prompt_ids = prompt["input_ids"] if hasattr(prompt, "keys") else prompt
-    assert r.usage.prompt_tokens == len(prompt_ids)
+    assert_greedy(r, chat_prompt_ids(rendered), 4)
     same = client.chat.completions.create(model=gw.model, messages=rendered, max_tokens=4, temperature=0)
     assert r.choices[0].message.content == same.choices[0].message.content
     assert r.usage.prompt_tokens == same.usage.prompt_tokens
