@@ -51,6 +51,7 @@ from gateway.session_handle import ReusableSession, Reuse, SessionHandle
 from gateway.sessions import AffinityStore, common_prefix
 from gateway.settings import GatewaySettings
 from gateway.stop import StopMatcher
+from gateway.structured import StructuredOutputs
 from swarm_client.errors import SessionLost
 
 __all__ = ["ChoiceResult", "ChoiceSpec", "Delta", "Engine", "Generation", "TokenLogprob", "eos_token_ids"]
@@ -73,6 +74,8 @@ class Engine(PromptRules):
         super().__init__(backend, settings)
         self.eos_ids = eos_token_ids(backend)
         self.executor = ThreadPoolExecutor(settings.backend_threads, thread_name_prefix="swarmserve-backend")
+        #: compiles ``response_format`` into per-choice token masks (structured outputs)
+        self.structured = StructuredOutputs(self.tokenizer, self.eos_ids, self.executor)
         #: the app's metrics (gateway/metrics.py; set by ``install_metrics``); None: nothing is measured
         self.metrics: GatewayMetrics | None = None
         #: the backend, when it can reuse sessions across requests
@@ -254,6 +257,9 @@ class Engine(PromptRules):
                         cached_tokens=cached,
                     )
                     pending, prompt_lps, text = [], None, ""
+                if sampler.finished:  # the grammar is complete: EOS is all it would allow
+                    finish = "stop"
+                    break
                 if produced >= spec.max_tokens:
                     break
                 token, lp = await self._decode(handle, session, token, sampler, spec.logprobs)

@@ -173,6 +173,8 @@ class CompletionRequest(OpenAIRequestModel):
     top_p: Annotated[float, Field(ge=0.0, le=1.0)] | None = 1.0
     user: str | None = None
     # --- extras ---
+    #: as in chat (vLLM accepts it here too): ``json_object`` / ``json_schema`` constrain the text
+    response_format: dict[str, Any] | None = None
     top_k: int | None = None
     min_p: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
     repetition_penalty: Annotated[float, Field(gt=0.0)] | None = None

@@ -2,21 +2,34 @@
 
 Order (as in vLLM): logit bias → repetition / frequency / presence penalties → greedy argmax when
 ``temperature == 0``, else temperature → top-k → top-p → min-p → a draw from a seeded ``torch.Generator``, so
-a request that names a seed reproduces its tokens. Logprobs are reported from the log-softmax of the model's
+a request that names a seed reproduces its tokens. A grammar constraint (structured outputs,
+gateway/structured.py) masks what its grammar forbids after the penalties and before the greedy/random choice,
+so the seeded draws stay reproducible. Logprobs are reported from the log-softmax of the model's
 raw logits (before any of the above), as OpenAI does.
 """
 
 from __future__ import annotations
 
 import random
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
-__all__ = ["SamplingParams", "Sampler", "choice_seed", "top_logprobs"]
+__all__ = ["LogitsConstraint", "SamplingParams", "Sampler", "choice_seed", "top_logprobs"]
 
 _MASK64 = (1 << 64) - 1
+
+
+class LogitsConstraint(Protocol):
+    """What a choice's output must match (gateway/structured.py's ``GrammarConstraint``)."""
+
+    def mask(self, logits: torch.Tensor) -> torch.Tensor: ...  # forbidden tokens → -inf, in place
+    def consume(self, token_id: int) -> None: ...
+
+    @property
+    def done(self) -> bool: ...  # nothing more may follow
 
 
 @dataclass(frozen=True)
@@ -31,6 +44,8 @@ class SamplingParams:
     presence_penalty: float = 0.0
     logit_bias: Mapping[int, float] = field(default_factory=dict)
     seed: int | None = None
+    #: makes each choice's constraint (structured outputs); None: any text
+    constraint: Callable[[], LogitsConstraint] | None = None
 
     @property
     def greedy(self) -> bool:
@@ -58,15 +73,25 @@ class Sampler:
         self.generator.manual_seed(seed)
         self._prompt_ids = list(prompt_ids)
         self._output_ids: list[int] = []
+        self.constraint = params.constraint() if params.constraint is not None else None
 
     def observe(self, token_id: int) -> None:
-        """Record a sampled token (penalties see it from the next step on)."""
+        """Record a sampled token (penalties see it from the next step on, the constraint at once)."""
         self._output_ids.append(token_id)
+        if self.constraint is not None:
+            self.constraint.consume(token_id)
+
+    @property
+    def finished(self) -> bool:
+        """The constraint allows no further token: the choice is complete."""
+        return self.constraint is not None and self.constraint.done
 
     def __call__(self, logits: torch.Tensor) -> int:
         """``logits [vocab]`` → the next token id."""
         p = self.params
         logits = self.process(logits)
+        if self.constraint is not None:
+            logits = self.constraint.mask(logits)
         if p.greedy:
             return int(torch.argmax(logits))
         logits = logits / p.temperature

@@ -61,8 +61,9 @@ async def create_chat_completion(engine: Engine, req: ChatCompletionRequest, req
     requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     max_tokens = engine.max_tokens_for(len(prompt), requested, param="messages")
     stop = _stop_list(req.stop)
+    grammar = await engine.structured.compile(req.response_format)  # structured outputs (a 400 if bad)
     specs = [
-        ChoiceSpec(i, prompt, max_tokens, _sampling(engine, req, choice_seed(req.seed, i)), stop, top_k)
+        ChoiceSpec(i, prompt, max_tokens, _sampling(engine, req, choice_seed(req.seed, i), grammar), stop, top_k)
         for i in range(n)
     ]
     model = engine.model_id
@@ -116,13 +117,14 @@ async def create_completion(engine: Engine, req: CompletionRequest, request: Req
     _choices(engine, n, len(prompts))
     stop = _stop_list(req.stop)
     k = req.logprobs
+    grammar = await engine.structured.compile(req.response_format)
 
     specs: list[ChoiceSpec] = []
     for p, (ids, _) in enumerate(prompts):
         max_tokens = engine.max_tokens_for(len(ids), req.max_tokens, param="prompt")
         for j in range(n):
             index = p * n + j
-            sampling = _sampling(engine, req, choice_seed(req.seed, index))
+            sampling = _sampling(engine, req, choice_seed(req.seed, index), grammar)
             specs.append(
                 ChoiceSpec(
                     index,
@@ -195,8 +197,6 @@ def _reject_unsupported_chat(req: ChatCompletionRequest) -> None:
         raise UnsupportedParameterError("modalities", "supports only ['text'] on this model")
     if req.prediction is not None:
         raise UnsupportedParameterError("prediction", "is not supported by this server")
-    if req.response_format is not None and req.response_format.get("type", "text") != "text":
-        raise UnsupportedParameterError("response_format", "supports only {'type': 'text'} on this server")
     if req.reasoning_effort is not None:
         raise UnsupportedParameterError("reasoning_effort", "is not supported with this model")
 
@@ -291,7 +291,7 @@ def _stop_list(stop: str | list[str] | None) -> list[str]:
 
 
 def _sampling(
-    engine: Engine, req: ChatCompletionRequest | CompletionRequest, seed: int | None
+    engine: Engine, req: ChatCompletionRequest | CompletionRequest, seed: int | None, constraint: Any = None
 ) -> SamplingParams:
     top_k = req.top_k if req.top_k is not None else 0
     if top_k < -1:
@@ -306,6 +306,7 @@ def _sampling(
         presence_penalty=req.presence_penalty or 0.0,
         logit_bias=_logit_bias(engine, req.logit_bias),
         seed=seed,
+        constraint=constraint,
     )
 
 
