@@ -23,6 +23,7 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import Executor
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 
 from gateway.errors import InvalidRequestError, UnsupportedParameterError
@@ -34,7 +35,6 @@ __all__ = ["GrammarConstraint", "StructuredOutputs", "parse_response_format"]
 
 PARAM = "response_format"
 _OPTIONS = {"whitespace_flexible": False}
-_BIT_SHIFTS = torch.arange(32, dtype=torch.int32)
 
 
 def parse_response_format(response_format: dict[str, Any] | None) -> tuple[str, bool] | None:
@@ -60,7 +60,7 @@ def parse_response_format(response_format: dict[str, Any] | None) -> tuple[str, 
     schema = spec.get("schema", {})
     if not isinstance(schema, dict):
         raise InvalidRequestError("response_format.json_schema.schema: must be a JSON object.", param=PARAM)
-    return json.dumps(schema, sort_keys=True), bool(spec.get("strict"))
+    return json.dumps(schema), bool(spec.get("strict"))  # key order kept: properties come in it
 
 
 class StructuredOutputs:
@@ -144,10 +144,10 @@ class GrammarConstraint:
         matcher = self.matcher
         assert self._bitmask is not None  # allocated with the matcher
         llguidance.torch.fill_next_token_bitmask(matcher, self._bitmask, 0)
-        # bitmask [1, ceil(n / 32)] int32 → allowed [n] bool; plain torch (llguidance's own apply goes through
+        # bitmask [1, ceil(n / 32)] int32 → allowed [n] bool, without llguidance's own apply (it goes through
         # torch.compile: seconds on first use, and a C compiler at run time)
-        bits = (self._bitmask[0].unsqueeze(-1) >> _BIT_SHIFTS) & 1
-        allowed = bits.flatten()[: self._tokenizer.vocab_size].bool()
+        bits = np.unpackbits(self._bitmask[0].numpy().view(np.uint8), bitorder="little")  # little-endian words
+        allowed = torch.from_numpy(bits[: self._tokenizer.vocab_size].view(np.bool_))
         vocab = logits.shape[-1]
         if vocab > len(allowed):  # the model's padding rows: never text
             logits[len(allowed) :] = float("-inf")

@@ -37,6 +37,7 @@ MAX_TOKENS = 160
 def assert_valid(text: str) -> dict:
     """``text`` is one JSON instance of SCHEMA (checked with jsonschema_rs when installed, else by hand)."""
     value = json.loads(text)
+    assert list(value) == list(SCHEMA["properties"])  # in the schema's order, as OpenAI writes them
     try:
         import jsonschema_rs
     except ImportError:
