@@ -10,16 +10,13 @@ did not have to send are reported as ``usage.prompt_tokens_details.cached_tokens
 
 from __future__ import annotations
 
-import json
 import uuid
-from collections.abc import Awaitable
-from typing import Any, TypeVar, cast
+from typing import Any, cast
 
-import anyio
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from gateway.choices import ChoiceResult, ChoiceSpec, Delta
+from gateway.choices import ChoiceSpec
 from gateway.engine import Engine
 from gateway.errors import InvalidRequestError, UnsupportedParameterError
 from gateway.logprobs import LegacyLogprobs, chat_logprobs
@@ -31,28 +28,30 @@ from gateway.openai_schema import (
     Completion,
     CompletionChoice,
     CompletionRequest,
-    CompletionUsage,
-    PromptTokensDetails,
 )
-from gateway.sampling import SamplingParams, choice_seed
-from gateway.streaming import ChatChunkBuilder, ChunkBuilder, CompletionChunkBuilder, event_stream
+from gateway.request_parts import (
+    CLIENT_CLOSED,
+    CachedTokensUsage,
+    cancel_on_disconnect,
+    check_stream_options,
+    count_choices,
+    sampling_params,
+    session_key,
+    stop_list,
+    usage_of,
+)
+from gateway.sampling import choice_seed
+from gateway.streaming import ChatChunkBuilder, CompletionChunkBuilder, event_stream
 
 __all__ = ["create_chat_completion", "create_completion"]
-
-T = TypeVar("T")
-
-#: HTTP 499: nginx's "client closed request" — nobody reads it, but logs and metrics do
-_CLIENT_CLOSED = 499
-#: names the conversation whose cached session a request continues (else the ``user`` field does)
-SESSION_HEADER = "x-session-id"
 
 
 async def create_chat_completion(engine: Engine, req: ChatCompletionRequest, request: Request) -> Response:
     engine.check_model(req.model)
     _reject_unsupported_chat(req)
     messages = _chat_messages(req)
-    n = _choices(engine, req.n, 1)
-    _check_stream_options(req.stream, req.stream_options)
+    n = count_choices(engine, req.n, 1)
+    check_stream_options(req.stream, req.stream_options)
     if req.top_logprobs is not None and not req.logprobs:
         raise InvalidRequestError("top_logprobs requires logprobs to be true.", param="top_logprobs")
     top_k = (req.top_logprobs or 0) if req.logprobs else None
@@ -60,15 +59,15 @@ async def create_chat_completion(engine: Engine, req: ChatCompletionRequest, req
     prompt = engine.render_chat(messages)
     requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     max_tokens = engine.max_tokens_for(len(prompt), requested, param="messages")
-    stop = _stop_list(req.stop)
+    stop = stop_list(req.stop)
     grammar = await engine.structured.compile(req.response_format)  # structured outputs (a 400 if bad)
     specs = [
-        ChoiceSpec(i, prompt, max_tokens, _sampling(engine, req, choice_seed(req.seed, i), grammar), stop, top_k)
+        ChoiceSpec(i, prompt, max_tokens, sampling_params(engine, req, choice_seed(req.seed, i), grammar), stop, top_k)
         for i in range(n)
     ]
     model = engine.model_id
     completion_id = f"chatcmpl-{uuid.uuid4().hex}"
-    generation = await engine.start(specs, _session_key(request, req.user))
+    generation = await engine.start(specs, session_key(request, req.user))
 
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -81,11 +80,11 @@ async def create_chat_completion(engine: Engine, req: ChatCompletionRequest, req
             vocab=engine.vocab,
             logprobs=top_k is not None,
         )
-        return event_stream(generation, _CachedTokensUsage(builder))
+        return event_stream(generation, CachedTokensUsage(builder))
 
-    results = await _cancel_on_disconnect(request, generation.collect())
+    results = await cancel_on_disconnect(request, generation.collect())
     if results is None:
-        return Response(status_code=_CLIENT_CLOSED)
+        return Response(status_code=CLIENT_CLOSED)
     response = ChatCompletion(
         id=completion_id,
         choices=[
@@ -98,7 +97,7 @@ async def create_chat_completion(engine: Engine, req: ChatCompletionRequest, req
             for r in results
         ],
         model=model,
-        usage=_usage(len(prompt), results),
+        usage=usage_of(len(prompt), results),
     )
     return JSONResponse(response.model_dump(mode="json"))
 
@@ -111,11 +110,11 @@ async def create_completion(engine: Engine, req: CompletionRequest, request: Req
         raise UnsupportedParameterError("best_of", "is not supported (only best_of=1)")
     if req.echo and req.stream:
         raise UnsupportedParameterError("echo", "is not supported together with stream")
-    _check_stream_options(req.stream, req.stream_options)
+    check_stream_options(req.stream, req.stream_options)
     prompts = _completion_prompts(engine, req.prompt)
     n = req.n or 1
-    _choices(engine, n, len(prompts))
-    stop = _stop_list(req.stop)
+    count_choices(engine, n, len(prompts))
+    stop = stop_list(req.stop)
     k = req.logprobs
     grammar = await engine.structured.compile(req.response_format)
 
@@ -124,7 +123,7 @@ async def create_completion(engine: Engine, req: CompletionRequest, request: Req
         max_tokens = engine.max_tokens_for(len(ids), req.max_tokens, param="prompt")
         for j in range(n):
             index = p * n + j
-            sampling = _sampling(engine, req, choice_seed(req.seed, index), grammar)
+            sampling = sampling_params(engine, req, choice_seed(req.seed, index), grammar)
             specs.append(
                 ChoiceSpec(
                     index,
@@ -139,7 +138,7 @@ async def create_completion(engine: Engine, req: CompletionRequest, request: Req
     prompt_tokens = sum(len(ids) for ids, _ in prompts)
     model = engine.model_id
     completion_id = f"cmpl-{uuid.uuid4().hex}"
-    generation = await engine.start(specs, _session_key(request, req.user))
+    generation = await engine.start(specs, session_key(request, req.user))
 
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -151,11 +150,11 @@ async def create_completion(engine: Engine, req: CompletionRequest, request: Req
             vocab=engine.vocab,
             logprobs=k is not None,
         )
-        return event_stream(generation, _CachedTokensUsage(builder))
+        return event_stream(generation, CachedTokensUsage(builder))
 
-    results = await _cancel_on_disconnect(request, generation.collect())
+    results = await cancel_on_disconnect(request, generation.collect())
     if results is None:
-        return Response(status_code=_CLIENT_CLOSED)
+        return Response(status_code=CLIENT_CLOSED)
     choices = []
     for r in results:
         echo_text = prompts[r.index // n][1] if req.echo else ""
@@ -170,7 +169,7 @@ async def create_completion(engine: Engine, req: CompletionRequest, request: Req
             )
         )
     response = Completion(
-        id=completion_id, choices=choices, model=model, usage=_usage(prompt_tokens, results)
+        id=completion_id, choices=choices, model=model, usage=usage_of(prompt_tokens, results)
     )
     return JSONResponse(response.model_dump(mode="json"))
 
@@ -267,126 +266,3 @@ def _completion_prompts(
             raise InvalidRequestError(f"{where}: must not be empty.", param=where)
         out.append((ids, text))
     return out
-
-
-def _choices(engine: Engine, n: int | None, prompts: int) -> int:
-    n = n or 1
-    limit = engine.settings.max_choices
-    if n * prompts > limit:
-        raise InvalidRequestError(
-            f"n: at most {limit} choices per request (asked for {n * prompts}).", param="n"
-        )
-    return n
-
-
-def _check_stream_options(stream: bool | None, stream_options: object) -> None:
-    if stream_options is not None and not stream:
-        raise InvalidRequestError("stream_options: only allowed when stream is true.", param="stream_options")
-
-
-def _stop_list(stop: str | list[str] | None) -> list[str]:
-    if stop is None:
-        return []
-    return [s for s in ([stop] if isinstance(stop, str) else stop) if s]
-
-
-def _sampling(
-    engine: Engine, req: ChatCompletionRequest | CompletionRequest, seed: int | None, constraint: Any = None
-) -> SamplingParams:
-    top_k = req.top_k if req.top_k is not None else 0
-    if top_k < -1:
-        raise InvalidRequestError("top_k: must be -1 (off), 0 (off) or a positive integer.", param="top_k")
-    return SamplingParams(
-        temperature=1.0 if req.temperature is None else req.temperature,
-        top_p=1.0 if req.top_p is None else req.top_p,
-        top_k=max(top_k, 0),
-        min_p=req.min_p or 0.0,
-        repetition_penalty=req.repetition_penalty or 1.0,
-        frequency_penalty=req.frequency_penalty or 0.0,
-        presence_penalty=req.presence_penalty or 0.0,
-        logit_bias=_logit_bias(engine, req.logit_bias),
-        seed=seed,
-        constraint=constraint,
-    )
-
-
-def _logit_bias(engine: Engine, bias: dict[str, float] | None) -> dict[int, float]:
-    """OpenAI's ``{"token id as string": bias in [-100, 100]}``."""
-    out: dict[int, float] = {}
-    for key, value in (bias or {}).items():
-        try:
-            token = int(key)
-        except ValueError:
-            raise InvalidRequestError(
-                f"logit_bias: key {key!r} is not a token id.", param="logit_bias"
-            ) from None
-        if not 0 <= token < engine.vocab_size:
-            raise InvalidRequestError(f"logit_bias: token id {token} is out of range.", param="logit_bias")
-        if not -100 <= value <= 100:
-            raise InvalidRequestError(f"logit_bias: bias {value} is outside [-100, 100].", param="logit_bias")
-        out[token] = float(value)
-    return out
-
-
-def _session_key(request: Request, user: str | None) -> str | None:
-    return request.headers.get(SESSION_HEADER) or user or None
-
-
-def _usage(prompt_tokens: int, results: list[ChoiceResult]) -> CompletionUsage:
-    completion = sum(r.completion_tokens for r in results)
-    return CompletionUsage(
-        completion_tokens=completion,
-        prompt_tokens=prompt_tokens,
-        total_tokens=prompt_tokens + completion,
-        prompt_tokens_details=PromptTokensDetails(cached_tokens=sum(r.cached_tokens for r in results)),
-    )
-
-
-class _CachedTokensUsage:
-    """A ``ChunkBuilder`` whose usage frame also reports ``prompt_tokens_details.cached_tokens`` (the
-    builders in gateway/streaming.py count completion tokens only)."""
-
-    def __init__(self, inner: ChunkBuilder):
-        self.inner = inner
-        self.cached: dict[int, int] = {}
-
-    def opening(self) -> list[str]:
-        return self.inner.opening()
-
-    def frames(self, delta: Delta) -> list[str]:
-        self.cached[delta.index] = delta.cached_tokens
-        return self.inner.frames(delta)
-
-    def usage(self) -> str | None:
-        frame = self.inner.usage()
-        cached = sum(self.cached.values())
-        if frame is None or not cached:
-            return frame
-        chunk = json.loads(frame)
-        chunk["usage"]["prompt_tokens_details"] = PromptTokensDetails(cached_tokens=cached).model_dump()
-        return json.dumps(chunk, separators=(",", ":"), ensure_ascii=False)
-
-
-async def _cancel_on_disconnect(request: Request, work: Awaitable[T]) -> T | None:
-    """Await ``work``; if the client disconnects first, cancel it (its sessions close in ``finally``) and
-    return None. Starlette does not cancel a handler when the client leaves, so we watch for it."""
-    result: list[T] = []
-    failure: list[Exception] = []
-    async with anyio.create_task_group() as tg:
-
-        async def watch() -> None:
-            while True:
-                message = await request.receive()
-                if message["type"] == "http.disconnect":
-                    tg.cancel_scope.cancel()
-                    return
-
-        tg.start_soon(watch)
-        try:
-            result.append(await work)
-        except Exception as exc:  # re-raised below, unwrapped by the task group's ExceptionGroup
-            failure.append(exc)
-        tg.cancel_scope.cancel()
-    if failure:
-        raise failure[0]
-    return result[0] if result else None

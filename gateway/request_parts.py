@@ -1,0 +1,163 @@
+"""The request parts both OpenAI endpoints (and the Responses API) share: choice counts, stop lists,
+sampling parameters, the session key that names a conversation, usage, and cancelling work when the client
+leaves.
+
+Session affinity: the ``X-Session-Id`` header, else the ``user`` field, names the conversation whose cached
+session the request resumes (without either, the engine matches the prompt's prefix).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Awaitable
+from typing import Any, TypeVar
+
+import anyio
+from fastapi import Request
+
+from gateway.choices import ChoiceResult, Delta
+from gateway.engine import Engine
+from gateway.errors import InvalidRequestError
+from gateway.openai_schema import ChatCompletionRequest, CompletionRequest, CompletionUsage, PromptTokensDetails
+from gateway.sampling import SamplingParams
+from gateway.streaming import ChunkBuilder
+
+__all__ = [
+    "CLIENT_CLOSED",
+    "SESSION_HEADER",
+    "CachedTokensUsage",
+    "cancel_on_disconnect",
+    "check_stream_options",
+    "count_choices",
+    "logit_bias_ids",
+    "sampling_params",
+    "session_key",
+    "stop_list",
+    "usage_of",
+]
+
+T = TypeVar("T")
+
+#: HTTP 499: nginx's "client closed request" — nobody reads it, but logs and metrics do
+CLIENT_CLOSED = 499
+#: names the conversation whose cached session a request continues (else the ``user`` field does)
+SESSION_HEADER = "x-session-id"
+
+
+def count_choices(engine: Engine, n: int | None, prompts: int) -> int:
+    n = n or 1
+    limit = engine.settings.max_choices
+    if n * prompts > limit:
+        raise InvalidRequestError(f"n: at most {limit} choices per request (asked for {n * prompts}).", param="n")
+    return n
+
+
+def check_stream_options(stream: bool | None, stream_options: object) -> None:
+    if stream_options is not None and not stream:
+        raise InvalidRequestError("stream_options: only allowed when stream is true.", param="stream_options")
+
+
+def stop_list(stop: str | list[str] | None) -> list[str]:
+    if stop is None:
+        return []
+    return [s for s in ([stop] if isinstance(stop, str) else stop) if s]
+
+
+def sampling_params(
+    engine: Engine, req: ChatCompletionRequest | CompletionRequest, seed: int | None, constraint: Any = None
+) -> SamplingParams:
+    top_k = req.top_k if req.top_k is not None else 0
+    if top_k < -1:
+        raise InvalidRequestError("top_k: must be -1 (off), 0 (off) or a positive integer.", param="top_k")
+    return SamplingParams(
+        temperature=1.0 if req.temperature is None else req.temperature,
+        top_p=1.0 if req.top_p is None else req.top_p,
+        top_k=max(top_k, 0),
+        min_p=req.min_p or 0.0,
+        repetition_penalty=req.repetition_penalty or 1.0,
+        frequency_penalty=req.frequency_penalty or 0.0,
+        presence_penalty=req.presence_penalty or 0.0,
+        logit_bias=logit_bias_ids(engine, req.logit_bias),
+        seed=seed,
+        constraint=constraint,
+    )
+
+
+def logit_bias_ids(engine: Engine, bias: dict[str, float] | None) -> dict[int, float]:
+    """OpenAI's ``{"token id as string": bias in [-100, 100]}``."""
+    out: dict[int, float] = {}
+    for key, value in (bias or {}).items():
+        try:
+            token = int(key)
+        except ValueError:
+            raise InvalidRequestError(f"logit_bias: key {key!r} is not a token id.", param="logit_bias") from None
+        if not 0 <= token < engine.vocab_size:
+            raise InvalidRequestError(f"logit_bias: token id {token} is out of range.", param="logit_bias")
+        if not -100 <= value <= 100:
+            raise InvalidRequestError(f"logit_bias: bias {value} is outside [-100, 100].", param="logit_bias")
+        out[token] = float(value)
+    return out
+
+
+def session_key(request: Request, user: str | None) -> str | None:
+    return request.headers.get(SESSION_HEADER) or user or None
+
+
+def usage_of(prompt_tokens: int, results: list[ChoiceResult]) -> CompletionUsage:
+    completion = sum(r.completion_tokens for r in results)
+    return CompletionUsage(
+        completion_tokens=completion,
+        prompt_tokens=prompt_tokens,
+        total_tokens=prompt_tokens + completion,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=sum(r.cached_tokens for r in results)),
+    )
+
+
+class CachedTokensUsage:
+    """A ``ChunkBuilder`` whose usage frame also reports ``prompt_tokens_details.cached_tokens`` (the
+    builders in gateway/streaming.py count completion tokens only)."""
+
+    def __init__(self, inner: ChunkBuilder):
+        self.inner = inner
+        self.cached: dict[int, int] = {}
+
+    def opening(self) -> list[str]:
+        return self.inner.opening()
+
+    def frames(self, delta: Delta) -> list[str]:
+        self.cached[delta.index] = delta.cached_tokens
+        return self.inner.frames(delta)
+
+    def usage(self) -> str | None:
+        frame = self.inner.usage()
+        cached = sum(self.cached.values())
+        if frame is None or not cached:
+            return frame
+        chunk = json.loads(frame)
+        chunk["usage"]["prompt_tokens_details"] = PromptTokensDetails(cached_tokens=cached).model_dump()
+        return json.dumps(chunk, separators=(",", ":"), ensure_ascii=False)
+
+
+async def cancel_on_disconnect(request: Request, work: Awaitable[T]) -> T | None:
+    """Await ``work``; if the client disconnects first, cancel it (its sessions close in ``finally``) and
+    return None. Starlette does not cancel a handler when the client leaves, so we watch for it."""
+    result: list[T] = []
+    failure: list[Exception] = []
+    async with anyio.create_task_group() as tg:
+
+        async def watch() -> None:
+            while True:
+                message = await request.receive()
+                if message["type"] == "http.disconnect":
+                    tg.cancel_scope.cancel()
+                    return
+
+        tg.start_soon(watch)
+        try:
+            result.append(await work)
+        except Exception as exc:  # re-raised below, unwrapped by the task group's ExceptionGroup
+            failure.append(exc)
+        tg.cancel_scope.cancel()
+    if failure:
+        raise failure[0]
+    return result[0] if result else None
