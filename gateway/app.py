@@ -29,7 +29,8 @@ from gateway.engine import Engine
 from gateway.errors import error_response, install_error_handlers
 from gateway.limits import install_limits
 from gateway.metrics import install_metrics
-from gateway.routes import ROUTERS, swarm_page
+from gateway.route_info import EXPOSED_HEADERS
+from gateway.routes import ROUTERS, chat_page, swarm_page
 from gateway.routes.docs import install_docs
 from gateway.sessions import AffinityStore, create_store
 from gateway.settings import GatewaySettings
@@ -77,8 +78,8 @@ class RequestContextMiddleware:
 
 def create_app(backend: ModelBackend, settings: GatewaySettings | None = None) -> FastAPI:
     """The gateway for ``backend``. Routes: ``/v1/chat/completions``, ``/v1/completions``, ``/v1/models``,
-    ``/v1/models/{id}``, ``/health``, ``/v1/swarm``, ``/metrics``, and the pages ``/swarm``, ``/docs``,
-    ``/redoc``."""
+    ``/v1/models/{id}``, ``/health``, ``/v1/swarm``, ``/metrics``, and the pages ``/swarm``, ``/chat``,
+    ``/docs``, ``/redoc``."""
     settings = settings or GatewaySettings()
 
     @asynccontextmanager
@@ -103,6 +104,7 @@ def create_app(backend: ModelBackend, settings: GatewaySettings | None = None) -
     for router in ROUTERS:
         app.include_router(router)
     app.include_router(swarm_page.router)  # /swarm: the HTML status page over /v1/swarm
+    app.include_router(chat_page.router)  # /chat: a chat page over /v1/chat/completions
     install_docs(app)  # /docs, /redoc and their assets under /static/docs, no CDN
     install_error_handlers(app, retry_after_s=settings.retry_after_s)
     install_limits(app, settings)  # auth, body size, rate limits, stream slots (gateway/limits.py)
@@ -113,7 +115,7 @@ def create_app(backend: ModelBackend, settings: GatewaySettings | None = None) -
         allow_origins=settings.cors_origins,
         allow_methods=["*"],
         allow_headers=["*"],
-        expose_headers=[REQUEST_ID_HEADER],
+        expose_headers=[REQUEST_ID_HEADER, *EXPOSED_HEADERS],  # x-swarm-route etc., for pages on other origins
     )
     return app
 

@@ -13,6 +13,8 @@ Two optional abilities, each declared here so the engine reaches them through a 
   (gateway/sessions.py).
 - Batched decode steps (``BatchingBackend``: a backend with ``step_many`` and ``step_group``; check with
   ``isinstance``): one call steps several sessions (gateway/decode_batch.py).
+- Saying where a session runs (``RouteReportingBackend``: a backend with ``describe_route``; check with
+  ``isinstance``): which servers hold its blocks, for the ``x-swarm-route`` headers (gateway/route_info.py).
 """
 
 from __future__ import annotations
@@ -29,6 +31,9 @@ __all__ = [
     "ModelBackend",
     "ResumableBackend",
     "ResumableSession",
+    "RouteHopInfo",
+    "RouteReportingBackend",
+    "SessionRoute",
     "SessionSnapshot",
     "can_resume",
 ]
@@ -115,3 +120,31 @@ class BatchingBackend(Protocol):
 
     def step_group(self, session: DecodeSession) -> Hashable:
         """Which ``step_many`` call ``session`` may share: sessions of different groups are stepped apart."""
+
+
+@dataclass(frozen=True)
+class RouteHopInfo:
+    """One server of a session's route: its peer id and the blocks ``[start, end)`` it runs."""
+
+    peer_id: str
+    start: int
+    end: int
+
+
+@dataclass(frozen=True)
+class SessionRoute:
+    """Where a session's blocks run: its servers in order (empty for an in-process model, ``local``), and
+    whether they push each step's output server to server."""
+
+    hops: tuple[RouteHopInfo, ...] = ()
+    push: bool = False
+    local: bool = False
+
+
+@runtime_checkable
+class RouteReportingBackend(Protocol):
+    """A backend that says which servers run a session it opened (``isinstance`` checks it is there)."""
+
+    def describe_route(self, session: DecodeSession) -> SessionRoute | None:
+        """``session``'s route as of now (its planned one before the first step opens the streams); None
+        when ``session`` is not one of this backend's."""

@@ -14,6 +14,8 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
+from gateway.backend import DecodeSession, SessionRoute
+
 __all__ = ["LocalBackend", "LocalSession"]
 
 
@@ -114,6 +116,10 @@ class LocalBackend:
             self._sessions.add(session)
             self.sessions_opened += 1
         return session
+
+    def describe_route(self, session: DecodeSession) -> SessionRoute | None:
+        """No swarm: every block runs in this process (``RouteReportingBackend``)."""
+        return SessionRoute(local=True) if isinstance(session, LocalSession) else None
 
     def _forget(self, session: LocalSession) -> None:
         with self._lock:

@@ -40,6 +40,7 @@ from gateway.request_parts import (
     stop_list,
     usage_of,
 )
+from gateway.route_info import RouteInfo
 from gateway.sampling import choice_seed
 from gateway.streaming import ChatChunkBuilder, CompletionChunkBuilder, event_stream
 
@@ -68,6 +69,7 @@ async def create_chat_completion(engine: Engine, req: ChatCompletionRequest, req
     model = engine.model_id
     completion_id = f"chatcmpl-{uuid.uuid4().hex}"
     generation = await engine.start(specs, session_key(request, req.user))
+    route = RouteInfo.of(generation, engine.backend)  # x-swarm-route etc. (gateway/route_info.py)
 
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -80,7 +82,7 @@ async def create_chat_completion(engine: Engine, req: ChatCompletionRequest, req
             vocab=engine.vocab,
             logprobs=top_k is not None,
         )
-        return event_stream(generation, CachedTokensUsage(builder))
+        return event_stream(generation, CachedTokensUsage(builder), headers=route.headers())
 
     results = await cancel_on_disconnect(request, generation.collect())
     if results is None:
@@ -99,7 +101,7 @@ async def create_chat_completion(engine: Engine, req: ChatCompletionRequest, req
         model=model,
         usage=usage_of(len(prompt), results),
     )
-    return JSONResponse(response.model_dump(mode="json"))
+    return JSONResponse(response.model_dump(mode="json"), headers=route.headers(response.usage.completion_tokens))
 
 
 async def create_completion(engine: Engine, req: CompletionRequest, request: Request) -> Response:
@@ -139,6 +141,7 @@ async def create_completion(engine: Engine, req: CompletionRequest, request: Req
     model = engine.model_id
     completion_id = f"cmpl-{uuid.uuid4().hex}"
     generation = await engine.start(specs, session_key(request, req.user))
+    route = RouteInfo.of(generation, engine.backend)  # x-swarm-route etc. (gateway/route_info.py)
 
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -150,7 +153,7 @@ async def create_completion(engine: Engine, req: CompletionRequest, request: Req
             vocab=engine.vocab,
             logprobs=k is not None,
         )
-        return event_stream(generation, CachedTokensUsage(builder))
+        return event_stream(generation, CachedTokensUsage(builder), headers=route.headers())
 
     results = await cancel_on_disconnect(request, generation.collect())
     if results is None:
@@ -171,7 +174,7 @@ async def create_completion(engine: Engine, req: CompletionRequest, request: Req
     response = Completion(
         id=completion_id, choices=choices, model=model, usage=usage_of(prompt_tokens, results)
     )
-    return JSONResponse(response.model_dump(mode="json"))
+    return JSONResponse(response.model_dump(mode="json"), headers=route.headers(response.usage.completion_tokens))
 
 
 # -------------------------------------------------------------------------------------------- the checks

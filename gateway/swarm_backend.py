@@ -28,14 +28,14 @@ from typing import Any
 import torch
 from transformers import AutoTokenizer
 
-from gateway.backend import SessionSnapshot
+from gateway.backend import DecodeSession, RouteHopInfo, SessionRoute, SessionSnapshot
 from swarm_client import runtime
 from swarm_client.config import default_dht_prefix, parse_initial_peers
 from swarm_client.dht_records import ServerState
 from swarm_client.errors import PeerError, SessionNotFoundError, SwarmError
 from swarm_client.model import AutoDistributedModelForCausalLM, DistributedModelForCausalLM
 from swarm_client.model_source import resolve_model_path
-from swarm_client.routing import coverage, missing_blocks
+from swarm_client.routing import RouteHop, coverage, missing_blocks
 from swarm_client.session import InferenceSession
 
 __all__ = ["SwarmBackend", "SwarmSession"]
@@ -73,10 +73,19 @@ class SwarmSession:
         self.session_id = session_id
         self.token_ids: list[int] = []
         self.closed = False
+        #: the route ``open_session`` checked; the first step routes again (the same servers unless the swarm
+        #: changed meanwhile) and opens the streams there
+        self.planned_route: list[RouteHop] = []
 
     @property
     def position(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def route(self) -> list[RouteHop]:
+        """The servers holding this session's streams, in order (failover may have changed them); before
+        the first step, the route ``open_session`` planned."""
+        return self.inner.route or list(self.planned_route)
 
     def step(self, token_ids: list[int]) -> torch.Tensor:
         hidden = self._embed(token_ids)
@@ -201,9 +210,10 @@ class SwarmBackend:
             return self._resume(max_length, resume)
         with _as_swarm_errors():
             # the same call the session's first step makes; it re-reads the DHT once before giving up
-            runtime.run(self.manager.make_route(0, self.num_blocks, cache_tokens_needed=max_length))
+            planned = runtime.run(self.manager.make_route(0, self.num_blocks, cache_tokens_needed=max_length))
         inner = self.model.blocks.inference_session(max_length, batch_size=1, session_id=session_id)
         session = SwarmSession(self, inner, max_length, session_id)
+        session.planned_route = list(planned)
         with self._lock:
             self._sessions.add(session)
         return session
@@ -267,6 +277,14 @@ class SwarmBackend:
         """The session's pipeline group (``ClientConfig.pipeline_groups``): ``step_many`` calls take one group
         each, so the groups stay apart and pipeline through the chain."""
         return session.inner.batch_group
+
+    def describe_route(self, session: DecodeSession) -> SessionRoute | None:
+        """``session``'s servers and block spans in order (``RouteReportingBackend``), and whether steps are
+        pushed server to server (``push=True`` in the client options, and more than one server)."""
+        if not isinstance(session, SwarmSession):
+            return None
+        hops = tuple(RouteHopInfo(h.peer_id, h.start, h.end) for h in session.route)
+        return SessionRoute(hops, push=bool(self.manager.config.push) and len(hops) > 1)
 
     def _forget(self, session: SwarmSession) -> None:
         with self._lock:

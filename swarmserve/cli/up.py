@@ -148,6 +148,7 @@ def _serve(args: argparse.Namespace, swarm, stop) -> int:
     with serving_gateway(cfg, dht=swarm.dht, log_level="warning") as (server, _backend):
         served_name = Path(str(args.model).rstrip("/")).name
         say(f"gateway ready; OpenAI base URL: {server.base_url}  (model: {served_name!r})")
+        say(f"chat page: {server.url}/chat  (swarm status: {server.url}/swarm)")
         say("try:")
         print(f"  {curl_example(server.base_url, served_name)}", flush=True)
         print(f"  {status_example(swarm.initial_peers, args.model)}", flush=True)
