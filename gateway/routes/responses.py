@@ -1,0 +1,46 @@
+"""``/v1/responses``: create (``POST``), retrieve (``GET /{id}``), delete (``DELETE /{id}``), handed to
+gateway/responses_api.py. The stored responses live in ``app.state.responses_store`` (made on first use,
+sized from the environment: gateway/responses_store.py)."""
+
+from typing import Annotated
+
+from fastapi import APIRouter, Depends, Request, Response
+
+from gateway.openai_schema import parse_request
+from gateway.responses_api import create_response, delete_response, retrieve_response
+from gateway.responses_schema import ResponseCreateRequest
+from gateway.responses_store import ResponsesStore
+from gateway.routes.deps import EngineDep, openapi_body
+
+router = APIRouter(tags=["openai"])
+
+
+def _store(request: Request) -> ResponsesStore:
+    state = request.app.state
+    store = getattr(state, "responses_store", None)
+    if store is None:  # no await between the check and the set: one store per app
+        store = state.responses_store = ResponsesStore.from_env()
+    return store
+
+
+async def _body(request: Request) -> ResponseCreateRequest:
+    return parse_request(ResponseCreateRequest, await request.body())
+
+
+StoreDep = Annotated[ResponsesStore, Depends(_store)]
+ResponseBody = Annotated[ResponseCreateRequest, Depends(_body)]
+
+
+@router.post("/v1/responses", openapi_extra=openapi_body(ResponseCreateRequest))
+async def responses(body: ResponseBody, engine: EngineDep, store: StoreDep, request: Request) -> Response:
+    return await create_response(engine, body, request, store)
+
+
+@router.get("/v1/responses/{response_id}")
+async def get_response(response_id: str, store: StoreDep, request: Request) -> Response:
+    return await retrieve_response(response_id, request, store)
+
+
+@router.delete("/v1/responses/{response_id}")
+async def remove_response(response_id: str, store: StoreDep, request: Request) -> Response:
+    return await delete_response(response_id, request, store)
