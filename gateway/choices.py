@@ -28,6 +28,8 @@ class ChoiceSpec:
     logprobs: int | None = None
     #: also score the prompt's tokens (completions with echo + logprobs): costs one step per prompt token
     prompt_logprobs: bool = False
+    #: special tokens come out as text (a tool-call opener such as ``[TOOL_CALLS]`` is one)
+    keep_special_tokens: bool = False
 
 
 @dataclass

@@ -229,7 +229,9 @@ class Engine(PromptRules):
             session = handle.session
             assert session is not None
             sampler = Sampler(spec.sampling, spec.prompt_ids)
-            detok = IncrementalDetokenizer(self.tokenizer, spec.prompt_ids)
+            detok = IncrementalDetokenizer(
+                self.tokenizer, spec.prompt_ids, skip_special_tokens=not spec.keep_special_tokens
+            )
             stopper = StopMatcher(spec.stop)
             pending: list[TokenLogprob] = []  # logprobs of tokens whose text is not out yet
             text, produced = "", 0

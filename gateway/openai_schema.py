@@ -10,16 +10,12 @@ Requests are validated in strict mode (``parse_request``): ``"5"`` is not an int
 
 from __future__ import annotations
 
-import json
-import logging
 import time
-from typing import Annotated, Any, Literal, TypeVar
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_serializer, model_validator
+from pydantic import Field, model_serializer
 
-from gateway.errors import InvalidRequestError, validation_error
-
-logger = logging.getLogger(__name__)
+from gateway.schema_base import OpenAIRequestModel, OpenAIResponseModel, drop_none, parse_request
 
 __all__ = [
     "ChatCompletion",
@@ -27,10 +23,14 @@ __all__ = [
     "ChatCompletionContentPart",
     "ChatCompletionMessage",
     "ChatCompletionMessageParam",
+    "ChatCompletionMessageToolCall",
+    "ChatCompletionToolParam",
     "ChatCompletionRequest",
     "ChatCompletionTokenLogprob",
     "Choice",
     "ChoiceDelta",
+    "ChoiceDeltaFunctionCall",
+    "ChoiceDeltaToolCall",
     "ChoiceLogprobs",
     "ChunkChoice",
     "Completion",
@@ -41,55 +41,19 @@ __all__ = [
     "CompletionUsage",
     "ErrorInfo",
     "ErrorResponse",
+    "FunctionCall",
+    "FunctionCallParam",
+    "FunctionDefinition",
     "Model",
     "ModelList",
+    "OpenAIRequestModel",
+    "OpenAIResponseModel",
     "PromptTokensDetails",
     "StreamOptions",
+    "ToolCallParam",
     "TopLogprob",
     "parse_request",
 ]
-
-
-class OpenAIRequestModel(BaseModel):
-    """Base of request models: unknown fields are kept and logged, not rejected."""
-
-    model_config = ConfigDict(extra="allow")
-
-    @model_validator(mode="wrap")
-    @classmethod
-    def _log_extra_fields(cls, data: Any, handler: Any) -> Any:
-        result = handler(data)
-        if isinstance(data, dict):
-            known = set(cls.model_fields)
-            known.update(f.alias for f in cls.model_fields.values() if f.alias)
-            extra = sorted(set(data) - known)
-            if extra:
-                logger.warning("%s: ignoring unknown fields %s", cls.__name__, extra)
-        return result
-
-
-class OpenAIResponseModel(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-
-RequestT = TypeVar("RequestT", bound=OpenAIRequestModel)
-
-
-def parse_request(model_cls: type[RequestT], body: bytes) -> RequestT:
-    """Body bytes → request model; malformed JSON, a non-object or a bad field is a 400 naming the param."""
-    try:
-        data = json.loads(body)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise InvalidRequestError(
-            f"We could not parse the JSON body of your request ({exc}). "
-            "The OpenAI API expects a JSON payload."
-        ) from None
-    if not isinstance(data, dict):
-        raise InvalidRequestError("The request body must be a JSON object.")
-    try:
-        return model_cls.model_validate(data, strict=True)
-    except ValidationError as exc:
-        raise validation_error(exc.errors(include_url=False)) from None
 
 
 # ---------------------------------------------------------------------------------------------- requests
@@ -109,10 +73,41 @@ class ChatCompletionContentPart(OpenAIRequestModel):
     text: str | None = None
 
 
+class FunctionCallParam(OpenAIRequestModel):
+    name: str
+    #: a JSON text, as the model wrote it
+    arguments: str
+
+
+class ToolCallParam(OpenAIRequestModel):
+    """A call an earlier assistant turn made (``messages[i].tool_calls[j]``)."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallParam
+
+
 class ChatCompletionMessageParam(OpenAIRequestModel):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ChatCompletionContentPart] | None = None
     name: str | None = None
+    #: assistant turns: the calls it made
+    tool_calls: list[ToolCallParam] | None = None
+    #: tool turns: the call this is the result of
+    tool_call_id: str | None = None
+
+
+class FunctionDefinition(OpenAIRequestModel):
+    name: str
+    description: str | None = None
+    #: a JSON schema of the arguments object (None: any object)
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ChatCompletionToolParam(OpenAIRequestModel):
+    type: Literal["function"]
+    function: FunctionDefinition
 
 
 class ChatCompletionRequest(OpenAIRequestModel):
@@ -143,7 +138,7 @@ class ChatCompletionRequest(OpenAIRequestModel):
     stream_options: StreamOptions | None = None
     temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = 1.0
     tool_choice: str | dict[str, Any] | None = None
-    tools: list[dict[str, Any]] | None = None
+    tools: Annotated[list[ChatCompletionToolParam], Field(max_length=128)] | None = None
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
     top_p: Annotated[float, Field(ge=0.0, le=1.0)] | None = 1.0
     user: str | None = None
@@ -223,14 +218,37 @@ class ChoiceLogprobs(OpenAIResponseModel):
     refusal: list[ChatCompletionTokenLogprob] | None = None
 
 
+class FunctionCall(OpenAIResponseModel):
+    name: str
+    arguments: str
+
+
+class ChatCompletionMessageToolCall(OpenAIResponseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatCompletionMessage(OpenAIResponseModel):
     content: str | None
     refusal: str | None = None
     role: Literal["assistant"] = "assistant"
+    tool_calls: list[ChatCompletionMessageToolCall] | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_no_calls(self, handler: Any) -> dict[str, Any]:
+        out = handler(self)
+        if out.get("tool_calls") is None:
+            out.pop("tool_calls", None)  # as OpenAI: the key only when the model called a tool
+        return out
+
+
+#: why a choice ended; ``tool_calls`` when it ended by calling tools
+FinishReasonLiteral = Literal["stop", "length", "tool_calls"]
 
 
 class Choice(OpenAIResponseModel):
-    finish_reason: Literal["stop", "length"]
+    finish_reason: FinishReasonLiteral
     index: int
     logprobs: ChoiceLogprobs | None = None
     message: ChatCompletionMessage
@@ -246,21 +264,46 @@ class ChatCompletion(OpenAIResponseModel):
     usage: CompletionUsage | None = None
 
 
+class ChoiceDeltaFunctionCall(OpenAIResponseModel):
+    """Set fields only: ``name`` on a call's first delta, ``arguments`` pieces after it."""
+
+    name: str | None = None
+    arguments: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_none(self, handler: Any) -> dict[str, Any]:
+        return drop_none(handler(self))
+
+
+class ChoiceDeltaToolCall(OpenAIResponseModel):
+    """A piece of a streamed call: ``id``, ``type`` and the name on its first piece only."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: ChoiceDeltaFunctionCall | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_none(self, handler: Any) -> dict[str, Any]:
+        return drop_none(handler(self))
+
+
 class ChoiceDelta(OpenAIResponseModel):
     """A stream delta; unset fields are left out of the JSON (``{}`` on the finishing chunk)."""
 
     content: str | None = None
     refusal: str | None = None
     role: Literal["assistant"] | None = None
+    tool_calls: list[ChoiceDeltaToolCall] | None = None
 
     @model_serializer(mode="wrap")
     def _drop_none(self, handler: Any) -> dict[str, Any]:
-        return {k: v for k, v in handler(self).items() if v is not None}
+        return drop_none(handler(self))
 
 
 class ChunkChoice(OpenAIResponseModel):
     delta: ChoiceDelta
-    finish_reason: Literal["stop", "length"] | None = None
+    finish_reason: FinishReasonLiteral | None = None
     index: int
     logprobs: ChoiceLogprobs | None = None
 

@@ -10,6 +10,7 @@ across threads).
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Sequence
 from typing import Any
@@ -18,6 +19,7 @@ from gateway.backend import ModelBackend
 from gateway.detokenize import TokenVocab
 from gateway.errors import ContextLengthExceededError, InvalidRequestError, ModelNotFoundError
 from gateway.settings import GatewaySettings
+from gateway.tool_formats import TOOL_FORMATS, ToolFormat, detect_tool_format
 
 __all__ = ["PromptRules", "eos_token_ids"]
 
@@ -76,14 +78,36 @@ class PromptRules:
             )
         return min(self.settings.default_max_tokens, limit - prompt_len)
 
-    def render_chat(self, messages: list[dict[str, Any]]) -> list[int]:
-        """Messages → prompt ids through the tokenizer's chat template, ending with the assistant's turn."""
+    @functools.cached_property
+    def tool_format(self) -> ToolFormat:
+        """How the served model writes tool calls: the settings' choice, else what its chat template teaches."""
+        name = self.settings.tool_format
+        if name != "auto":
+            return TOOL_FORMATS[name]
+        return detect_tool_format(getattr(self.tokenizer, "chat_template", None))
+
+    def special_token_id(self, text: str | None) -> int | None:
+        """The id of ``text`` when the tokenizer has it as one special token (``[TOOL_CALLS]``: decoding
+        drops it unless told to keep special tokens), else None."""
+        if not text:
+            return None
+        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        if len(ids) != 1 or self.tokenizer.decode(ids, skip_special_tokens=True):
+            return None
+        return int(ids[0])
+
+    def render_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
+        """Messages → prompt ids through the tokenizer's chat template, ending with the assistant's turn;
+        ``tools`` (OpenAI's shape) go to templates that render them (gateway/tool_calling.py)."""
         if not getattr(self.tokenizer, "chat_template", None):
             raise InvalidRequestError(
                 "This model has no chat template; use /v1/completions instead.", param="messages"
             )
+        extra = {"tools": tools} if tools else {}
         try:
-            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            text = self.tokenizer.apply_chat_template(
+                messages, add_generation_prompt=True, tokenize=False, **extra
+            )
         except Exception as exc:  # jinja raises TemplateError for conversations the template refuses
             raise InvalidRequestError(
                 f"The chat template rejected these messages: {exc}", param="messages"

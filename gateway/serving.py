@@ -16,18 +16,21 @@ from typing import Any, cast
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from gateway.choices import ChoiceSpec
+from gateway.chat_messages import chat_messages
+from gateway.choices import ChoiceResult, ChoiceSpec
 from gateway.engine import Engine
 from gateway.errors import InvalidRequestError, UnsupportedParameterError
 from gateway.logprobs import LegacyLogprobs, chat_logprobs
 from gateway.openai_schema import (
     ChatCompletion,
     ChatCompletionMessage,
+    ChatCompletionMessageToolCall,
     ChatCompletionRequest,
     Choice,
     Completion,
     CompletionChoice,
     CompletionRequest,
+    FunctionCall,
 )
 from gateway.request_parts import (
     CLIENT_CLOSED,
@@ -43,6 +46,9 @@ from gateway.request_parts import (
 from gateway.route_info import RouteInfo
 from gateway.sampling import choice_seed
 from gateway.streaming import ChatChunkBuilder, CompletionChunkBuilder, event_stream
+from gateway.tool_calling import ToolPlan, plan_tools
+from gateway.tool_grammar import tool_call_grammar
+from gateway.tool_parser import parse_tool_calls
 
 __all__ = ["create_chat_completion", "create_completion"]
 
@@ -50,20 +56,31 @@ __all__ = ["create_chat_completion", "create_completion"]
 async def create_chat_completion(engine: Engine, req: ChatCompletionRequest, request: Request) -> Response:
     engine.check_model(req.model)
     _reject_unsupported_chat(req)
-    messages = _chat_messages(req)
+    fmt = engine.tool_format
+    tools = plan_tools(req, fmt)  # None: no tool in play
+    messages = chat_messages(req.messages, fmt, tools)
     n = count_choices(engine, req.n, 1)
     check_stream_options(req.stream, req.stream_options)
     if req.top_logprobs is not None and not req.logprobs:
         raise InvalidRequestError("top_logprobs requires logprobs to be true.", param="top_logprobs")
     top_k = (req.top_logprobs or 0) if req.logprobs else None
 
-    prompt = engine.render_chat(messages)
+    prompt = engine.render_chat(messages, tools.tools if tools is not None and fmt.native else None)
     requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     max_tokens = engine.max_tokens_for(len(prompt), requested, param="messages")
     stop = stop_list(req.stop)
-    grammar = await engine.structured.compile(req.response_format)  # structured outputs (a 400 if bad)
+    grammar = await _chat_grammar(engine, req, tools)
+    keep_special = tools is not None and engine.special_token_id(fmt.opener or "<|python_tag|>") is not None
     specs = [
-        ChoiceSpec(i, prompt, max_tokens, sampling_params(engine, req, choice_seed(req.seed, i), grammar), stop, top_k)
+        ChoiceSpec(
+            i,
+            prompt,
+            max_tokens,
+            sampling_params(engine, req, choice_seed(req.seed, i), grammar),
+            stop,
+            top_k,
+            keep_special_tokens=keep_special,
+        )
         for i in range(n)
     ]
     model = engine.model_id
@@ -81,6 +98,7 @@ async def create_chat_completion(engine: Engine, req: ChatCompletionRequest, req
             n=n,
             vocab=engine.vocab,
             logprobs=top_k is not None,
+            tools=tools,
         )
         return event_stream(generation, CachedTokensUsage(builder), headers=route.headers())
 
@@ -91,12 +109,13 @@ async def create_chat_completion(engine: Engine, req: ChatCompletionRequest, req
         id=completion_id,
         choices=[
             Choice(
-                finish_reason=r.finish_reason,
+                finish_reason=finish,
                 index=r.index,
                 logprobs=chat_logprobs(engine.vocab, r.logprobs) if top_k is not None else None,
-                message=ChatCompletionMessage(content=r.text),
+                message=message,
             )
             for r in results
+            for message, finish in [_reply(r, tools)]
         ],
         model=model,
         usage=usage_of(len(prompt), results),
@@ -181,12 +200,6 @@ async def create_completion(engine: Engine, req: CompletionRequest, request: Req
 
 
 def _reject_unsupported_chat(req: ChatCompletionRequest) -> None:
-    if req.tools:
-        raise UnsupportedParameterError("tools", "is not supported yet (no tool calling on this server)")
-    if req.tool_choice not in (None, "none"):
-        raise UnsupportedParameterError(
-            "tool_choice", "is not supported yet (no tool calling on this server)"
-        )
     if req.functions:
         raise UnsupportedParameterError("functions", "is not supported (no function calling on this server)")
     if req.function_call not in (None, "none"):
@@ -203,39 +216,31 @@ def _reject_unsupported_chat(req: ChatCompletionRequest) -> None:
         raise UnsupportedParameterError("reasoning_effort", "is not supported with this model")
 
 
-def _chat_messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
-    """Validated messages as the chat template wants them: plain-string content, ``developer`` as ``system``
-    (templates written before OpenAI renamed the role do not know it)."""
-    if not req.messages:
-        raise InvalidRequestError("messages: must contain at least one message.", param="messages")
-    out: list[dict[str, Any]] = []
-    for i, m in enumerate(req.messages):
-        if m.content is None:
-            if m.role != "assistant":
-                raise InvalidRequestError(
-                    f"messages[{i}].content: Field required", param=f"messages[{i}].content"
-                )
-            text = ""
-        elif isinstance(m.content, str):
-            text = m.content
-        else:
-            parts = []
-            for j, part in enumerate(m.content):
-                where = f"messages[{i}].content[{j}]"
-                if part.type != "text":
-                    raise InvalidRequestError(
-                        f"{where}.type: only 'text' content parts are supported, got '{part.type}'.",
-                        param=f"{where}.type",
-                    )
-                if part.text is None:
-                    raise InvalidRequestError(f"{where}.text: Field required", param=f"{where}.text")
-                parts.append(part.text)
-            text = "\n".join(parts)
-        message: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": text}
-        if m.name is not None:
-            message["name"] = m.name
-        out.append(message)
-    return out
+async def _chat_grammar(engine: Engine, req: ChatCompletionRequest, tools: ToolPlan | None) -> Any:
+    """The constraint factory of a chat request: calls when ``tool_choice`` demands them (the reply is calls,
+    so ``response_format`` has nothing to shape), else ``response_format``'s (None: free text)."""
+    if tools is not None and tools.forced:
+        fmt = tools.fmt
+        lark = tool_call_grammar(
+            tools.functions, fmt, parallel=tools.parallel, opener_token=engine.special_token_id(fmt.opener)
+        )
+        return await engine.structured.compile_lark(lark, param="tools")
+    return await engine.structured.compile(req.response_format)  # structured outputs (a 400 if bad)
+
+
+def _reply(result: ChoiceResult, tools: ToolPlan | None) -> tuple[ChatCompletionMessage, Any]:
+    """A choice's message (its tool calls parsed out of the text) and finish reason."""
+    if tools is None:
+        return ChatCompletionMessage(content=result.text), result.finish_reason
+    parsed = parse_tool_calls(result.text, tools.fmt)
+    if not parsed.calls:
+        return ChatCompletionMessage(content=parsed.content), result.finish_reason
+    calls = [
+        ChatCompletionMessageToolCall(id=c.id, function=FunctionCall(name=c.name, arguments=c.arguments))
+        for c in parsed.calls
+    ]
+    finish = "tool_calls" if result.finish_reason == "stop" else result.finish_reason
+    return ChatCompletionMessage(content=parsed.content, tool_calls=calls), finish
 
 
 def _completion_prompts(

@@ -6,7 +6,7 @@ List fields accept JSON (``'["http://a", "http://b"]'``) or a comma-separated st
 from __future__ import annotations
 
 import json
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
@@ -48,6 +48,8 @@ class GatewaySettings(BaseSettings):
     affinity_max_length: int | None = Field(default=None, ge=1)
     #: this replica's name in affinity records (default: host, pid and a random suffix)
     replica_id: str | None = None
+    #: how the served model writes tool calls (gateway/tool_formats.py); auto: read from its chat template
+    tool_format: Literal["auto", "hermes", "llama3_json", "mistral", "prompt"] = "auto"
     initial_peers: Annotated[list[str], NoDecode] = Field(default_factory=list)
     log_level: str = "info"
 

@@ -27,11 +27,15 @@ from gateway.logprobs import LegacyLogprobs, chat_logprobs
 from gateway.openai_schema import (
     ChatCompletionChunk,
     ChoiceDelta,
+    ChoiceDeltaFunctionCall,
+    ChoiceDeltaToolCall,
     ChunkChoice,
     CompletionChoice,
     CompletionChunk,
     CompletionUsage,
 )
+from gateway.tool_calling import ToolPlan
+from gateway.tool_parser import ToolCallParser
 
 logger = logging.getLogger(__name__)
 
@@ -106,11 +110,24 @@ class _BaseChunkBuilder:
 
 
 class ChatChunkBuilder(_BaseChunkBuilder):
-    def __init__(self, *, n: int, vocab: TokenVocab, logprobs: bool, **kw: Unpack[_BuilderArgs]):
+    """Chat chunks; with a ``ToolPlan``, each choice's text goes through its ``ToolCallParser`` and calls
+    come out as ``delta.tool_calls`` (id, type and name on a call's first chunk, then argument pieces)."""
+
+    def __init__(
+        self,
+        *,
+        n: int,
+        vocab: TokenVocab,
+        logprobs: bool,
+        tools: ToolPlan | None = None,
+        **kw: Unpack[_BuilderArgs],
+    ):
         super().__init__(**kw)
         self.n = n
         self.vocab = vocab
         self.logprobs = logprobs
+        self.tools = tools
+        self._parsers: dict[int, ToolCallParser] = {}
 
     def _chunk(self, choices: list[ChunkChoice]) -> str:
         return self._dump(
@@ -125,6 +142,8 @@ class ChatChunkBuilder(_BaseChunkBuilder):
 
     def frames(self, delta: Delta) -> list[str]:
         self._count(delta)
+        if self.tools is not None:
+            return self._tool_frames(delta, self.tools)
         out = []
         if delta.text or (self.logprobs and delta.logprobs):
             logprobs = chat_logprobs(self.vocab, delta.logprobs) if self.logprobs else None
@@ -139,6 +158,31 @@ class ChatChunkBuilder(_BaseChunkBuilder):
                     [ChunkChoice(index=delta.index, delta=ChoiceDelta(), finish_reason=delta.finish_reason)]
                 )
             )
+        return out
+
+    def _tool_frames(self, delta: Delta, tools: ToolPlan) -> list[str]:
+        parser = self._parsers.setdefault(delta.index, tools.parser())
+        events = parser.feed(delta.text)
+        if delta.finish_reason is not None:
+            events += parser.finish()
+        logprobs = chat_logprobs(self.vocab, delta.logprobs) if self.logprobs and delta.logprobs else None
+        out = []
+        for event in events:
+            if isinstance(event, str):
+                choice_delta = ChoiceDelta(content=event)
+            else:
+                function = ChoiceDeltaFunctionCall(name=event.name, arguments=event.arguments)
+                call = ChoiceDeltaToolCall(
+                    index=event.index, id=event.id, type="function" if event.id else None, function=function
+                )
+                choice_delta = ChoiceDelta(tool_calls=[call])
+            out.append(self._chunk([ChunkChoice(index=delta.index, delta=choice_delta, logprobs=logprobs)]))
+            logprobs = None  # on the first chunk of the delta only
+        if logprobs is not None:  # tokens whose text the parser holds: their logprobs go out now
+            out.append(self._chunk([ChunkChoice(index=delta.index, delta=ChoiceDelta(content=""), logprobs=logprobs)]))
+        if delta.finish_reason is not None:
+            reason = "tool_calls" if parser.calls and delta.finish_reason == "stop" else delta.finish_reason
+            out.append(self._chunk([ChunkChoice(index=delta.index, delta=ChoiceDelta(), finish_reason=reason)]))
         return out
 
     def _usage_chunk(self, usage: CompletionUsage) -> str:

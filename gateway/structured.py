@@ -89,12 +89,17 @@ class StructuredOutputs:
         parsed = parse_response_format(response_format)
         if parsed is None:
             return None
-        try:  # an optional dependency: a gateway without it still serves text
-            import llguidance.torch  # noqa: F401
-        except ImportError:
-            raise UnsupportedParameterError(PARAM, "needs the llguidance package, not installed here") from None
+        _require_llguidance(PARAM)
         loop = asyncio.get_running_loop()
         grammar = await loop.run_in_executor(self.executor, self._compile, *parsed)
+        return functools.partial(GrammarConstraint, self.tokenizer, grammar, self.eos_ids)
+
+    async def compile_lark(self, lark: str, *, param: str) -> Callable[[], GrammarConstraint]:
+        """Like ``compile``, for a grammar in llguidance's Lark syntax (tool calls: gateway/tool_grammar.py);
+        one it cannot compile is a 400 naming ``param``."""
+        _require_llguidance(param)
+        loop = asyncio.get_running_loop()
+        grammar = await loop.run_in_executor(self.executor, self._compile_lark, lark, param)
         return functools.partial(GrammarConstraint, self.tokenizer, grammar, self.eos_ids)
 
     @functools.lru_cache(maxsize=64)  # noqa: B019 — one compiler per engine, kept as long as the engine
@@ -104,17 +109,44 @@ class StructuredOutputs:
         options = dict(_OPTIONS) if strict else {**_OPTIONS, "lenient": True}
         try:
             grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=options)
+        except (ValueError, TypeError, RuntimeError) as e:
+            raise _invalid("Invalid schema for response_format", [str(e)], PARAM) from None
+        return self._validated(grammar, strict, "Invalid schema for response_format", PARAM)
+
+    @functools.lru_cache(maxsize=64)  # noqa: B019 — as above
+    def _compile_lark(self, lark: str, param: str) -> str:
+        import llguidance
+
+        try:
+            grammar = llguidance.LLMatcher.grammar_from_lark(lark)
+        except (ValueError, TypeError, RuntimeError) as e:
+            raise _invalid(f"Invalid {param}", [str(e)], param) from None
+        return self._validated(grammar, False, f"Invalid {param}", param)
+
+    def _validated(self, grammar: str, strict: bool, what: str, param: str) -> str:
+        import llguidance
+
+        try:
             is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, self.tokenizer)
         except (ValueError, TypeError, RuntimeError) as e:
             is_error, messages = True, [str(e)]
         if strict and not is_error and messages:
             is_error = True  # a keyword we would not enforce: strict promises it is
         if is_error:
-            why = "; ".join(m.strip() for m in messages if m.strip()) or "unknown error"
-            raise InvalidRequestError(
-                f"Invalid schema for response_format: the grammar engine cannot compile it: {why}", param=PARAM
-            )
+            raise _invalid(what, messages, param)
         return grammar
+
+
+def _require_llguidance(param: str) -> None:
+    try:  # an optional dependency: a gateway without it still serves text
+        import llguidance.torch  # noqa: F401
+    except ImportError:
+        raise UnsupportedParameterError(param, "needs the llguidance package, not installed here") from None
+
+
+def _invalid(what: str, messages: list[str], param: str) -> InvalidRequestError:
+    why = "; ".join(m.strip() for m in messages if m.strip()) or "unknown error"
+    return InvalidRequestError(f"{what}: the grammar engine cannot compile it: {why}", param=param)
 
 
 class GrammarConstraint:

