@@ -158,7 +158,12 @@ def validation_error(errors: Sequence[Any]) -> InvalidRequestError:
     first_loc = tuple(errors[0].get("loc", ()))
     param = param_from_loc(first_loc)
     same_param = [e for e in errors if param_from_loc(tuple(e.get("loc", ()))) == param]
-    best = max(same_param or [errors[0]], key=lambda e: len(e.get("loc", ())))
+    # a type mismatch is usually another branch of a union failing (``stop``: "not a string" when the list
+    # has 5 entries): an error about the value itself says more
+    best = max(
+        same_param or [errors[0]],
+        key=lambda e: (not str(e.get("type", "")).endswith("_type"), len(e.get("loc", ()))),
+    )
     msg = best.get("msg", "Invalid value")
     if best.get("type") == "missing":
         msg = "Field required"

@@ -36,6 +36,11 @@ class Generation:
         self._deadline = deadline
         self._iter: AsyncGenerator[Delta, None] | None = None
 
+    @property
+    def handles(self) -> list[SessionHandle]:
+        """The choices' session handles, in choice order (gateway/route_info.py reads choice 0's route)."""
+        return self._handles
+
     def __aiter__(self) -> AsyncGenerator[Delta, None]:
         if self._iter is None:
             gens = [self.engine.run_choice(s, h) for s, h in zip(self.specs, self._handles, strict=True)]

@@ -49,6 +49,7 @@ __all__ = [
     "OpenAIRequestModel",
     "OpenAIResponseModel",
     "PromptTokensDetails",
+    "RepetitionPenalty",
     "StreamOptions",
     "ToolCallParam",
     "TopLogprob",
@@ -60,6 +61,8 @@ __all__ = [
 
 Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
 StopParam = str | Annotated[list[str], Field(max_length=4)]
+#: vLLM's knob; bounded so that dividing or multiplying logits by it cannot overflow them into NaNs
+RepetitionPenalty = Annotated[float, Field(ge=0.01, le=100.0)]
 
 
 class StreamOptions(OpenAIRequestModel):
@@ -145,7 +148,7 @@ class ChatCompletionRequest(OpenAIRequestModel):
     # --- extras (vLLM-compatible sampling knobs, passed via the SDK's extra_body) ---
     top_k: int | None = None
     min_p: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
-    repetition_penalty: Annotated[float, Field(gt=0.0)] | None = None
+    repetition_penalty: RepetitionPenalty | None = None
 
 
 class CompletionRequest(OpenAIRequestModel):
@@ -172,7 +175,7 @@ class CompletionRequest(OpenAIRequestModel):
     response_format: dict[str, Any] | None = None
     top_k: int | None = None
     min_p: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
-    repetition_penalty: Annotated[float, Field(gt=0.0)] | None = None
+    repetition_penalty: RepetitionPenalty | None = None
 
 
 # --------------------------------------------------------------------------------------------- responses

@@ -11,6 +11,7 @@ across threads).
 from __future__ import annotations
 
 import functools
+import importlib.metadata
 import os
 from collections.abc import Sequence
 from typing import Any
@@ -20,6 +21,7 @@ from gateway.detokenize import TokenVocab
 from gateway.errors import ContextLengthExceededError, InvalidRequestError, ModelNotFoundError
 from gateway.settings import GatewaySettings
 from gateway.tool_formats import TOOL_FORMATS, ToolFormat, detect_tool_format
+from swarm_client.dht_records import PROTOCOL_VERSION
 
 __all__ = ["PromptRules", "eos_token_ids"]
 
@@ -77,6 +79,17 @@ class PromptRules:
                 max_context=limit, prompt_tokens=prompt_len, completion_tokens=1, param=param
             )
         return min(self.settings.default_max_tokens, limit - prompt_len)
+
+    @functools.cached_property
+    def system_fingerprint(self) -> str:
+        """OpenAI's ``system_fingerprint``: what produced an answer — the swarmserve release, the swarm's
+        protocol version and the served model (a change in any may change outputs for the same seed)."""
+        try:
+            release = importlib.metadata.version("swarmserve")
+        except importlib.metadata.PackageNotFoundError:
+            release = "0.0.0+unknown"
+        model = os.path.basename(self.backend.model_id.rstrip("/")) or self.backend.model_id
+        return f"swarmserve-{release}-p{PROTOCOL_VERSION}-{model}"
 
     @functools.cached_property
     def tool_format(self) -> ToolFormat:

@@ -35,6 +35,7 @@ from gateway.token_estimates import (
     CHAT_PATH,
     CL100K_PATTERN,
     COMPLETIONS_PATH,
+    RESPONSES_PATH,
     ModelTokenCounter,
     TiktokenCounter,
     TokenCounter,
@@ -61,7 +62,7 @@ __all__ = [
     "wait_seconds",
 ]
 
-GENERATION_PATHS = frozenset({CHAT_PATH, COMPLETIONS_PATH})
+GENERATION_PATHS = frozenset({CHAT_PATH, COMPLETIONS_PATH, RESPONSES_PATH})
 WINDOW_S = 60.0
 
 

@@ -9,11 +9,13 @@ session the request resumes (without either, the engine matches the prompt's pre
 from __future__ import annotations
 
 import json
+import urllib.parse
 from collections.abc import Awaitable
 from typing import Any, TypeVar
 
 import anyio
 from fastapi import Request
+from pydantic import BaseModel
 
 from gateway.choices import ChoiceResult, Delta
 from gateway.engine import Engine
@@ -24,11 +26,13 @@ from gateway.streaming import ChunkBuilder
 
 __all__ = [
     "CLIENT_CLOSED",
+    "IGNORED_FIELDS_HEADER",
     "SESSION_HEADER",
     "CachedTokensUsage",
     "cancel_on_disconnect",
     "check_stream_options",
     "count_choices",
+    "ignored_fields",
     "logit_bias_ids",
     "sampling_params",
     "session_key",
@@ -42,6 +46,9 @@ T = TypeVar("T")
 CLIENT_CLOSED = 499
 #: names the conversation whose cached session a request continues (else the ``user`` field does)
 SESSION_HEADER = "x-session-id"
+#: lists the request fields the gateway did not know and ignored (they are also logged), as vLLM warns
+IGNORED_FIELDS_HEADER = "x-swarmserve-ignored-fields"
+_MAX_IGNORED_LISTED, _MAX_IGNORED_HEADER = 32, 1024
 
 
 def count_choices(engine: Engine, n: int | None, prompts: int) -> int:
@@ -161,3 +168,16 @@ async def cancel_on_disconnect(request: Request, work: Awaitable[T]) -> T | None
     if failure:
         raise failure[0]
     return result[0] if result else None
+
+
+def ignored_fields(req: BaseModel) -> dict[str, str]:
+    """The ``x-swarmserve-ignored-fields`` header naming the request's unknown top-level fields, if any: a
+    client can see that a parameter it sent (a typo, a newer API's) had no effect."""
+    extra = sorted((req.model_extra or {}).keys())
+    if not extra:
+        return {}
+    # names are the client's: percent-encoded so any name makes a valid header, and bounded in length
+    listed = ",".join(urllib.parse.quote(name, safe="") for name in extra[:_MAX_IGNORED_LISTED])
+    if len(extra) > _MAX_IGNORED_LISTED:
+        listed += f",...({len(extra) - _MAX_IGNORED_LISTED} more)"
+    return {IGNORED_FIELDS_HEADER: listed[:_MAX_IGNORED_HEADER]}

@@ -16,7 +16,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Field
 
 from gateway.errors import InvalidRequestError, UnsupportedParameterError
-from gateway.openai_schema import OpenAIRequestModel, OpenAIResponseModel
+from gateway.openai_schema import OpenAIRequestModel, OpenAIResponseModel, RepetitionPenalty
 
 __all__ = [
     "IncompleteDetails",
@@ -78,7 +78,7 @@ class ResponseCreateRequest(OpenAIRequestModel):
     seed: int | None = None
     top_k: int | None = None
     min_p: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
-    repetition_penalty: Annotated[float, Field(gt=0.0)] | None = None
+    repetition_penalty: RepetitionPenalty | None = None
 
 
 def check_supported(req: ResponseCreateRequest) -> None:

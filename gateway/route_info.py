@@ -77,7 +77,7 @@ def _describe(generation: Generation, backend: ModelBackend) -> SessionRoute | N
     if not isinstance(backend, RouteReportingBackend):
         return None
     # Generation keeps its handles private; choice 0's is the first (the one that resumes cached sessions)
-    handles = generation._handles
+    handles = generation.handles
     session = handles[0].session if handles else None
     if session is None:
         return None

@@ -78,7 +78,7 @@ def run_gateway(cfg: GatewayConfig, stop: threading.Event) -> int:
         print(
             f"swarmserve gateway ready: {backend.model_id} ({backend.dht_prefix}, "
             f"{backend.num_blocks} blocks, {len(state['spans'])} servers; {coverage}); "
-            f"OpenAI base URL: {server.base_url}",
+            f"OpenAI base URL: {server.base_url}; chat page: {server.url}/chat",
             flush=True,
         )
         stop.wait()

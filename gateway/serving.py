@@ -38,6 +38,7 @@ from gateway.request_parts import (
     cancel_on_disconnect,
     check_stream_options,
     count_choices,
+    ignored_fields,
     sampling_params,
     session_key,
     stop_list,
@@ -95,12 +96,13 @@ async def create_chat_completion(engine: Engine, req: ChatCompletionRequest, req
             model=model,
             prompt_tokens=len(prompt),
             include_usage=include_usage,
+            system_fingerprint=engine.system_fingerprint,
             n=n,
             vocab=engine.vocab,
             logprobs=top_k is not None,
             tools=tools,
         )
-        return event_stream(generation, CachedTokensUsage(builder), headers=route.headers())
+        return event_stream(generation, CachedTokensUsage(builder), headers=route.headers() | ignored_fields(req))
 
     results = await cancel_on_disconnect(request, generation.collect())
     if results is None:
@@ -118,9 +120,13 @@ async def create_chat_completion(engine: Engine, req: ChatCompletionRequest, req
             for message, finish in [_reply(r, tools)]
         ],
         model=model,
+        system_fingerprint=engine.system_fingerprint,
         usage=usage_of(len(prompt), results),
     )
-    return JSONResponse(response.model_dump(mode="json"), headers=route.headers(response.usage.completion_tokens))
+    return JSONResponse(
+        response.model_dump(mode="json"),
+        headers=route.headers(response.usage.completion_tokens) | ignored_fields(req),
+    )
 
 
 async def create_completion(engine: Engine, req: CompletionRequest, request: Request) -> Response:
@@ -169,10 +175,11 @@ async def create_completion(engine: Engine, req: CompletionRequest, request: Req
             model=model,
             prompt_tokens=prompt_tokens,
             include_usage=include_usage,
+            system_fingerprint=engine.system_fingerprint,
             vocab=engine.vocab,
             logprobs=k is not None,
         )
-        return event_stream(generation, CachedTokensUsage(builder), headers=route.headers())
+        return event_stream(generation, CachedTokensUsage(builder), headers=route.headers() | ignored_fields(req))
 
     results = await cancel_on_disconnect(request, generation.collect())
     if results is None:
@@ -191,9 +198,16 @@ async def create_completion(engine: Engine, req: CompletionRequest, request: Req
             )
         )
     response = Completion(
-        id=completion_id, choices=choices, model=model, usage=usage_of(prompt_tokens, results)
+        id=completion_id,
+        choices=choices,
+        model=model,
+        system_fingerprint=engine.system_fingerprint,
+        usage=usage_of(prompt_tokens, results),
     )
-    return JSONResponse(response.model_dump(mode="json"), headers=route.headers(response.usage.completion_tokens))
+    return JSONResponse(
+        response.model_dump(mode="json"),
+        headers=route.headers(response.usage.completion_tokens) | ignored_fields(req),
+    )
 
 
 # -------------------------------------------------------------------------------------------- the checks

@@ -58,8 +58,11 @@ class GatewaySettings(BaseSettings):
     api_keys: Annotated[list[str], NoDecode] = Field(default_factory=list, repr=False)
     #: a file of API keys, one per line, ``#`` comments
     api_keys_file: str | None = None
-    #: paths served without a key (``/prefix*`` for a prefix)
-    auth_exempt_paths: Annotated[list[str], NoDecode] = Field(default_factory=lambda: ["/health", "/metrics"])
+    #: paths served without a key (``/prefix*`` for a prefix); the chat page is static (its requests send the
+    #: key the user types), so a browser can open it
+    auth_exempt_paths: Annotated[list[str], NoDecode] = Field(
+        default_factory=lambda: ["/health", "/metrics", "/chat"]
+    )
     #: per key, on the generation routes, requests / tokens (prompt + max_tokens) per minute; 0 = no limit.
     #: Counted in ``redis_url`` when set (shared by replicas), else in this process
     rate_limit_rpm: int = Field(default=0, ge=0)

@@ -13,7 +13,7 @@ import json
 import logging
 import time
 from collections.abc import AsyncIterator
-from typing import NotRequired, Protocol, TypedDict, Unpack
+from typing import Any, NotRequired, Protocol, TypedDict, Unpack
 
 from pydantic import BaseModel
 from sse_starlette import EventSourceResponse
@@ -73,18 +73,31 @@ class _BuilderArgs(TypedDict):
     prompt_tokens: int
     include_usage: bool
     created: NotRequired[int | None]
+    system_fingerprint: NotRequired[str | None]
 
 
 class _BaseChunkBuilder:
     def __init__(
-        self, *, id: str, model: str, prompt_tokens: int, include_usage: bool, created: int | None = None
+        self,
+        *,
+        id: str,
+        model: str,
+        prompt_tokens: int,
+        include_usage: bool,
+        created: int | None = None,
+        system_fingerprint: str | None = None,
     ):
         self.id = id
         self.model = model
+        self.fingerprint = system_fingerprint
         self.created = created if created is not None else int(time.time())
         self.prompt_tokens = prompt_tokens
         self.include_usage = include_usage
         self._completion_tokens: dict[int, int] = {}
+
+    def _head(self) -> dict[str, Any]:
+        """The fields every chunk of this stream repeats."""
+        return {"id": self.id, "created": self.created, "model": self.model, "system_fingerprint": self.fingerprint}
 
     def _dump(self, chunk: BaseModel) -> str:
         # OpenAI sends "usage": null on every chunk when usage was asked for, and no key otherwise
@@ -131,7 +144,7 @@ class ChatChunkBuilder(_BaseChunkBuilder):
 
     def _chunk(self, choices: list[ChunkChoice]) -> str:
         return self._dump(
-            ChatCompletionChunk(id=self.id, choices=choices, created=self.created, model=self.model)
+            ChatCompletionChunk(choices=choices, **self._head())
         )
 
     def opening(self) -> list[str]:
@@ -187,7 +200,7 @@ class ChatChunkBuilder(_BaseChunkBuilder):
 
     def _usage_chunk(self, usage: CompletionUsage) -> str:
         chunk = ChatCompletionChunk(
-            id=self.id, choices=[], created=self.created, model=self.model, usage=usage
+            choices=[], usage=usage, **self._head()
         )
         return chunk.model_dump_json()
 
@@ -217,12 +230,12 @@ class CompletionChunkBuilder(_BaseChunkBuilder):
             text=delta.text,
         )
         return [
-            self._dump(CompletionChunk(id=self.id, choices=[choice], created=self.created, model=self.model))
+            self._dump(CompletionChunk(choices=[choice], **self._head()))
         ]
 
     def _usage_chunk(self, usage: CompletionUsage) -> str:
         return CompletionChunk(
-            id=self.id, choices=[], created=self.created, model=self.model, usage=usage
+            choices=[], usage=usage, **self._head()
         ).model_dump_json()
 
 

@@ -5,6 +5,7 @@ token limit of ``gateway/ratelimit.py``."""
 from __future__ import annotations
 
 import base64
+import json
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -12,6 +13,7 @@ __all__ = [
     "CHAT_PATH",
     "CL100K_PATTERN",
     "COMPLETIONS_PATH",
+    "RESPONSES_PATH",
     "ModelTokenCounter",
     "TiktokenCounter",
     "TokenCounter",
@@ -21,6 +23,7 @@ __all__ = [
 
 CHAT_PATH = "/v1/chat/completions"
 COMPLETIONS_PATH = "/v1/completions"
+RESPONSES_PATH = "/v1/responses"
 #: chat-template framing per message (role markers, separators) and the assistant turn's opening
 _PER_MESSAGE_TOKENS, _REPLY_PRIMING_TOKENS = 4, 3
 #: tiktoken's cl100k_base pre-tokenizer pattern (from ``tiktoken_ext.openai_public``)
@@ -93,6 +96,25 @@ def _text_tokens(value: Any, counter: TokenCounter) -> int:
     return 0
 
 
+def _messages_tokens(messages: Any, counter: TokenCounter | None) -> int:
+    """Chat messages: their text plus the template's framing per message."""
+    if not isinstance(messages, list):
+        return 0
+    prompt = _REPLY_PRIMING_TOKENS
+    for m in messages:
+        if isinstance(m, dict):
+            content = _text_tokens(m.get("content"), counter) if counter else 0
+            prompt += _PER_MESSAGE_TOKENS + content
+    return prompt
+
+
+def _tools_tokens(tools: Any, counter: TokenCounter | None) -> int:
+    """Tool definitions go into the prompt too (Open WebUI sends 36 of them, thousands of tokens)."""
+    if not counter or not isinstance(tools, list) or not tools:
+        return 0
+    return counter.count(json.dumps(tools, ensure_ascii=False))
+
+
 def _prompt_tokens(prompt: Any, counter: TokenCounter) -> tuple[int, int]:
     """(tokens, number of prompts) of every shape ``/v1/completions`` accepts."""
     if isinstance(prompt, str):
@@ -125,17 +147,16 @@ def estimate_tokens(
     if not isinstance(body, dict):
         return 0
     if path == CHAT_PATH:
-        messages = body.get("messages")
-        prompt, prompts = 0, 1
-        if isinstance(messages, list):
-            prompt = _REPLY_PRIMING_TOKENS
-            for m in messages:
-                if isinstance(m, dict):
-                    content = _text_tokens(m.get("content"), counter) if counter else 0
-                    prompt += _PER_MESSAGE_TOKENS + content
+        prompt, prompts = _messages_tokens(body.get("messages"), counter), 1
+        prompt += _tools_tokens(body.get("tools"), counter)
         requested = _non_negative_int(body.get("max_completion_tokens"))
         if requested is None:
             requested = _non_negative_int(body.get("max_tokens"))
+    elif path == RESPONSES_PATH:
+        given = body.get("input")
+        prompt, prompts = _messages_tokens(given if isinstance(given, list) else [{"content": given}], counter), 1
+        prompt += _text_tokens(body.get("instructions"), counter) if counter else 0
+        requested = _non_negative_int(body.get("max_output_tokens"))
     else:
         prompt, prompts = _prompt_tokens(body.get("prompt"), counter) if counter else (0, 1)
         requested = _non_negative_int(body.get("max_tokens"))

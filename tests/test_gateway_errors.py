@@ -43,6 +43,14 @@ def _still_serving(gw: Gateway) -> None:
     assert_greedy(r, chat_prompt_ids(HELLO), 2)
 
 
+def test_stop_with_more_than_4_entries_says_so(gw):
+    with gw.http() as http:
+        r = http.post("/v1/chat/completions", json={"model": gw.model, "messages": HELLO, "stop": list("abcde")})
+    err = _envelope(r)
+    assert r.status_code == 400 and err["param"] == "stop"
+    assert "at most 4 items" in err["message"] and "not 5" in err["message"]
+
+
 @pytest.mark.parametrize(
     ("body", "param", "code"),
     [
@@ -82,6 +90,7 @@ def _still_serving(gw: Gateway) -> None:
         ({"messages": HELLO, "stream_options": {"include_usage": True}}, "stream_options", None),
         ({"messages": HELLO, "stop": ["a", "b", "c", "d", "e"]}, "stop", None),
         ({"messages": HELLO, "logit_bias": {"abc": 1}}, "logit_bias", None),
+        ({"messages": HELLO, "repetition_penalty": 5e-324}, "repetition_penalty", None),  # would make NaNs
     ],
 )
 def test_bad_chat_requests_are_400_naming_the_param(gw, body, param, code):

@@ -8,6 +8,7 @@ offline tiktoken counter, the key file).
 from __future__ import annotations
 
 import base64
+import json
 import threading
 import time
 import uuid
@@ -295,6 +296,10 @@ def test_request_limit_is_shared_by_replicas_through_redis(replicas: tuple[Gatew
         # another key has its own budget; other routes are not limited
         assert h2.post("/v1/completions", json=body, headers=_auth(key + "-2")).status_code == 200
         assert h2.get("/v1/models", headers=_auth(key)).status_code == 200
+        # the Responses API counts against the same budget
+        responses = {"model": one.model, "input": "hi", "max_output_tokens": 1}
+        assert h1.post("/v1/responses", json=responses, headers=_auth(key)).status_code == 429
+        assert h1.post("/v1/responses", json=responses, headers=_auth(key + "-3")).status_code == 200
     with pytest.raises(openai.RateLimitError):
         _sdk(one, key).completions.create(model=one.model, prompt="hi", max_tokens=1)
 
@@ -359,6 +364,13 @@ def test_token_estimates_of_every_request_shape() -> None:
     assert estimate_tokens(path, {"prompt": "hi", "max_tokens": 7}, counter, **kw) == hi + 7
     assert estimate_tokens(path, {"prompt": [1, 2, 3], "max_tokens": 1000}, counter, **kw) == 3 + 100
     assert estimate_tokens(path, {"prompt": ["hi", [5, 6]], "n": 3}, counter, **kw) == hi + 2 + 10 * 4
+    tools = [{"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}]
+    with_tools = estimate_tokens("/v1/chat/completions", {**chat, "tools": tools}, counter, **kw)
+    assert with_tools == 3 + 2 * (4 + hi) + 10 + counter.count(json.dumps(tools))
+    responses = {"input": "hi", "instructions": "hi", "max_output_tokens": 6}
+    assert estimate_tokens("/v1/responses", responses, counter, **kw) == 3 + (4 + hi) + hi + 6
+    listed = {"input": [{"role": "user", "content": "hi"}, {"role": "user", "content": "hi"}]}
+    assert estimate_tokens("/v1/responses", listed, counter, **kw) == 3 + 2 * (4 + hi) + 10
     for junk in (None, [], {"prompt": {"x": 1}, "max_tokens": "9", "n": True}):
         assert estimate_tokens(path, junk, counter, **kw) in (0, 10)
 

@@ -2,6 +2,7 @@
 
 import pytest
 
+from swarm_client.dht_records import PROTOCOL_VERSION
 from tests.gateway_fixtures import (
     Gateway,
     assert_greedy,
@@ -241,3 +242,23 @@ def test_sessions_are_sized_to_the_request_and_all_closed(gw, client):
     assert gw.backend.max_lengths[-1] == r.usage.prompt_tokens + 32
     assert gw.backend.wait_all_closed()
     assert gw.backend.steps_after_close == 0
+
+
+def test_system_fingerprint_names_release_protocol_and_model(gw, client):
+    chat = client.chat.completions.create(model=gw.model, messages=HELLO, max_tokens=2)
+    stream = list(client.chat.completions.create(model=gw.model, messages=HELLO, max_tokens=2, stream=True))
+    completion = client.completions.create(model=gw.model, prompt="Hi", max_tokens=2)
+    fingerprint = chat.system_fingerprint
+    assert fingerprint.startswith("swarmserve-") and f"-p{PROTOCOL_VERSION}-" in fingerprint
+    assert fingerprint.endswith(gw.model)
+    assert {c.system_fingerprint for c in stream} == {fingerprint} == {completion.system_fingerprint}
+
+
+def test_unknown_fields_are_named_in_a_header(gw):
+    body = {"model": gw.model, "messages": HELLO, "max_tokens": 2, "temprature": 0.5, "ünïcode name": 1}
+    with gw.http() as http:
+        r = http.post("/v1/chat/completions", json=body)
+        plain = http.post("/v1/completions", json={"model": gw.model, "prompt": "Hi", "max_tokens": 2})
+    assert r.status_code == 200
+    assert r.headers["x-swarmserve-ignored-fields"] == "temprature,%C3%BCn%C3%AFcode%20name"
+    assert "x-swarmserve-ignored-fields" not in plain.headers

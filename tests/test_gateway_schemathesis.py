@@ -33,6 +33,9 @@ OPERATIONS = [
     ("GET", "/v1/models/{model_id}"),
     ("GET", "/health"),
     ("GET", "/v1/swarm"),
+    ("POST", "/v1/responses"),
+    ("GET", "/v1/responses/{response_id}"),
+    ("DELETE", "/v1/responses/{response_id}"),
 ]
 
 
@@ -46,7 +49,8 @@ def _clamp(body: Any) -> None:
     """Keep fuzzed generation requests cheap; values that are not plain ints stay as generated."""
     if not isinstance(body, dict):
         return
-    for key, cap in (("max_tokens", MAX_TOKENS), ("max_completion_tokens", MAX_TOKENS), ("n", MAX_N)):
+    caps = (("max_tokens", MAX_TOKENS), ("max_completion_tokens", MAX_TOKENS), ("max_output_tokens", MAX_TOKENS))
+    for key, cap in (*caps, ("n", MAX_N)):
         value = body.get(key)
         if isinstance(value, int) and not isinstance(value, bool) and value > cap:
             body[key] = cap
