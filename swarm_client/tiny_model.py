@@ -18,7 +18,8 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-import torch
+# the random-weight writer lives with the replicas (model_likes); its helpers stay importable from here
+from swarm_client.model_likes import FINAL_NORM_WEIGHTS, _perturb_constant_params, save_random_model  # noqa: F401
 
 FAMILIES: tuple[str, ...] = ("llama", "mistral", "qwen2", "mixtral", "falcon", "bloom")
 
@@ -317,33 +318,6 @@ def family_config(
     return AutoConfig.for_model(model_type, **kwargs)
 
 
-#: Final norms whose scale gets random signs (see ``_perturb_constant_params``).
-FINAL_NORM_WEIGHTS = frozenset({"model.norm.weight", "transformer.ln_f.weight"})
-
-
-@torch.no_grad()
-def _perturb_constant_params(model: torch.nn.Module, seed: int, std: float) -> None:
-    """Give norm weights and biases (initialised to exactly 1 / 0) random values.
-
-    A block server that forgets to load a bias or a norm weight would otherwise still match the reference.
-    The final norm also gets random signs: with a tied LM head, logits ≈ <hidden, embedding>, and a random
-    model whose residual stream is dominated by the current token's embedding would just echo that token
-    forever under greedy decoding.
-    """
-    gen = torch.Generator().manual_seed(seed + 1)
-    for name, param in sorted(model.named_parameters(), key=lambda kv: kv[0]):
-        if param.dim() != 1:
-            continue
-        noise = torch.randn(param.shape, generator=gen, dtype=torch.float32) * std
-        if name.endswith("bias"):
-            param.copy_(noise.to(param.dtype))
-            continue
-        scale = 1.0 + noise  # norm scale
-        if name in FINAL_NORM_WEIGHTS:
-            scale *= torch.randint(0, 2, param.shape, generator=gen).to(torch.float32) * 2 - 1
-        param.copy_(scale.to(param.dtype))
-
-
 def make_tiny_model(
     out_dir: str | pathlib.Path,
     family: str = "llama",
@@ -352,46 +326,41 @@ def make_tiny_model(
     hidden_size: int = 64,
 ) -> pathlib.Path:
     """Write a tiny random ``family`` model + tokenizer to ``out_dir``; return the directory."""
-    from transformers import AutoModelForCausalLM, GenerationConfig
-
     if hidden_size > 128:
         raise ValueError(f"tiny models keep hidden size <= 128, got {hidden_size}")
-    out = pathlib.Path(out_dir).expanduser()
     tokenizer = build_tokenizer(family)
     eos = [tokenizer.convert_tokens_to_ids(IM_END), tokenizer.convert_tokens_to_ids(ENDOFTEXT)]
     pad = tokenizer.convert_tokens_to_ids(ENDOFTEXT)
     config = family_config(family, len(tokenizer), hidden_size, num_layers, eos, pad)
-
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    _perturb_constant_params(model, seed, INIT_STD)
-    model.eval()
-    model.generation_config = GenerationConfig(bos_token_id=None, eos_token_id=eos, pad_token_id=pad)
-
-    out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out)
-    tokenizer.save_pretrained(out)
-    return out
+    return save_random_model(out_dir, config, tokenizer, seed, INIT_STD)
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``swarmserve tiny-model OUT [--family F] [--layers N] [--seed S] [--hidden H]``."""
+    """``swarmserve tiny-model OUT [--family F | --like NAME] [--layers N] [--seed S] [--hidden H]``."""
+    from swarm_client.model_likes import like_names, make_like_model
+
     parser = argparse.ArgumentParser(
         prog="swarmserve tiny-model", description="Write a small random-weight model with a real tokenizer."
     )
     parser.add_argument("out", metavar="OUT", help="output directory (created if missing)")
-    parser.add_argument("--family", choices=FAMILIES, default="llama")
+    kind = parser.add_mutually_exclusive_group()
+    kind.add_argument("--family", choices=FAMILIES, default=None, help="model family (default llama)")
+    kind.add_argument("--like", choices=like_names(), help="a tiny replica of this real model's config")
     parser.add_argument("--layers", type=int, default=4, help="number of transformer blocks (default 4)")
     parser.add_argument("--seed", type=int, default=0, help="random seed; same seed, same weights")
-    parser.add_argument("--hidden", type=int, default=64, help="hidden size, a multiple of 8, at most 128")
+    parser.add_argument("--hidden", type=int, default=None, help="hidden size, a multiple of 8, at most 128")
     args = parser.parse_args(argv)
+    if args.like and args.hidden is not None:
+        parser.error("--hidden cannot be combined with --like (a replica's sizes follow the real model)")
     try:
-        out = make_tiny_model(
-            args.out, family=args.family, num_layers=args.layers, seed=args.seed, hidden_size=args.hidden
-        )
+        if args.like:
+            out = make_like_model(args.out, args.like, num_layers=args.layers, seed=args.seed)
+        else:
+            out = make_tiny_model(args.out, args.family or "llama", args.layers, args.seed, args.hidden or 64)
     except ValueError as exc:
         parser.error(str(exc))
-    print(json.dumps({"path": str(out.resolve()), "family": args.family, "layers": args.layers}))
+    family = args.like or args.family or "llama"
+    print(json.dumps({"path": str(out.resolve()), "family": family, "layers": args.layers}))
     return 0
 
 
