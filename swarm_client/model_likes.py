@@ -31,6 +31,15 @@ LLAMA31_ROPE = {
     "original_max_position_embeddings": 8192,
     "rope_type": "llama3",
 }
+#: Qwen/Qwen2.5-72B-Instruct config.json as shipped (two entries below use it)
+QWEN25_72B: dict[str, Any] = {
+    "model_type": "qwen2", "hidden_size": 8192, "num_hidden_layers": 80, "num_attention_heads": 64,
+    "num_key_value_heads": 8, "intermediate_size": 29568, "hidden_act": "silu",
+    "max_position_embeddings": 32768, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
+    "sliding_window": 131072, "use_sliding_window": False, "max_window_layers": 80,
+    "tie_word_embeddings": False, "vocab_size": 152064, "bos_token_id": 151643,
+    "eos_token_id": 151645,
+}
 
 
 @dataclass(frozen=True)
@@ -39,7 +48,7 @@ class ModelLike:
 
     source: str  # the 🤗 repository whose config.json these values are
     config: dict[str, Any]  # published config.json keys (sizes included, as published)
-    context_window: int  # what the model serves: max_position_embeddings, or the training length if absent
+    context_window: int  # what the model serves (the tokenizer's model_max_length): see each entry
     eos_is_list: bool  # generation_config's eos_token_id is a list (else one id)
     tiny_heads: int
     tiny_kv_heads: int  # == tiny_heads for multi-head attention
@@ -115,16 +124,20 @@ LIKES: dict[str, ModelLike] = {
     # optional YaRN ×4 to 131072 is not in the file)
     "qwen2.5-72b": ModelLike(
         source="Qwen/Qwen2.5-72B-Instruct",
-        config={
-            "model_type": "qwen2", "hidden_size": 8192, "num_hidden_layers": 80, "num_attention_heads": 64,
-            "num_key_value_heads": 8, "intermediate_size": 29568, "hidden_act": "silu",
-            "max_position_embeddings": 32768, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
-            "sliding_window": 131072, "use_sliding_window": False, "max_window_layers": 80,
-            "tie_word_embeddings": False, "vocab_size": 152064, "bos_token_id": 151643,
-            "eos_token_id": 151645,
-        },
+        config=QWEN25_72B,
         context_window=32768, eos_is_list=True, tiny_heads=16, tiny_kv_heads=2,
         notes="generation_config eos_token_id is [151645, 151643]",
+    ),
+    # the same, with the rope_scaling block Qwen's model card says to add for 131072 tokens (max_position_embeddings
+    # stays 32768 there); Qwen2.5's tokenizer_config.json says model_max_length 131072
+    "qwen2.5-72b-yarn": ModelLike(
+        source="Qwen/Qwen2.5-72B-Instruct + model card YaRN block",
+        config={
+            **QWEN25_72B,
+            "rope_scaling": {"factor": 4.0, "original_max_position_embeddings": 32768, "type": "yarn"},
+        },
+        context_window=131072, eos_is_list=True, tiny_heads=16, tiny_kv_heads=2,
+        notes="the gateway takes its window from max_position_embeddings (32768), not the YaRN-extended 131072",
     ),
     # mistralai/Mistral-7B-Instruct-v0.3 config.json
     "mistral-7b": ModelLike(

@@ -38,6 +38,13 @@ LLAMA3_ROPE = {
     "high_freq_factor": 4.0,
     "original_max_position_embeddings": 8192,
 }
+QWEN_YARN = {
+    "rope_type": "yarn",
+    "type": "yarn",
+    "rope_theta": 1e6,
+    "factor": 4.0,
+    "original_max_position_embeddings": 32768,
+}
 # name: (context window, rope parameters or None for ALiBi, heads per KV head, tied head, q/k/v bias, norm eps,
 #        (experts, top-k) or None, sliding window or None)
 FACTS: dict[str, tuple[int, dict | None, int, bool, bool, float, tuple[int, int] | None, int | None]] = {
@@ -47,6 +54,7 @@ FACTS: dict[str, tuple[int, dict | None, int, bool, bool, float, tuple[int, int]
     "falcon-40b": (2048, {"rope_type": "default", "rope_theta": 10000.0}, 16, True, False, 1e-5, None, None),
     "bloom-176b": (2048, None, 1, True, True, 1e-5, None, None),
     "qwen2.5-72b": (32768, {"rope_type": "default", "rope_theta": 1e6}, 8, False, True, 1e-6, None, None),
+    "qwen2.5-72b-yarn": (131072, QWEN_YARN, 8, False, True, 1e-6, None, None),
     "mistral-7b": (32768, {"rope_type": "default", "rope_theta": 1e6}, 4, False, False, 1e-5, None, None),
 }
 UP_DEFAULT = ("llama-3.1-405b", "mixtral-8x22b", "bloom-176b")
@@ -82,6 +90,8 @@ def test_replica_keeps_the_real_facts_and_shrinks_sizes(replicas: dict[str, Path
     assert tokenizer.model_max_length == context
     if config.model_type == "bloom":
         assert not hasattr(config, "max_position_embeddings")  # BLOOM's config.json has none (ALiBi)
+    elif name == "qwen2.5-72b-yarn":
+        assert config.max_position_embeddings == 32768  # as Qwen's card leaves it; YaRN ×4 reaches 131072
     else:
         assert config.max_position_embeddings == context
     if rope is None:
