@@ -100,7 +100,9 @@ class ResumableBackend(ModelBackend, Protocol):
         self, max_length: int, session_id: str | None = None, resume: SessionSnapshot | None = None
     ) -> ResumableSession:
         """As ``ModelBackend.open_session``; with ``resume``, continue that detached session (``token_ids`` as
-        in the snapshot), raising ``swarm_client.errors.SessionNotFoundError`` when its caches are gone."""
+        in the snapshot) with its cap raised to ``max_length`` if that is larger (a later turn may need more
+        room than the first asked for), raising ``swarm_client.errors.SessionNotFoundError`` when its caches
+        are gone."""
 
 
 def can_resume(backend: ModelBackend) -> TypeGuard[ResumableBackend]:

@@ -18,8 +18,8 @@ choices go out together (gateway/decode_batch.py).
 Prefix reuse (an affinity store and a ``ResumableBackend``): ``start`` claims the cached session sharing the
 longest prefix with choice 0's prompt and ``_prefill`` feeds only what that session does not already hold
 (``session.token_ids``), rolling back to the common prefix first; the tokens it did not have to send are the
-choice's ``cached_tokens``. Reusable sessions are opened with ``max_length`` = the context window, so any
-later turn fits (the servers grow caches on demand: this reserves nothing). Only choice 0 takes part (the
+choice's ``cached_tokens``. Sessions ask for what the choice needs (prompt + ``max_tokens``); a later turn
+that resumes one raises its cap (the servers grow caches on demand: nothing is reserved). Only choice 0 takes part (the
 other choices of ``n > 1`` share its prompt but would need copies of the same caches; they prefill as
 before).
 """
@@ -40,6 +40,7 @@ from typing import Any
 import torch
 
 from gateway.backend import BatchingBackend, DecodeSession, ModelBackend, ResumableBackend, can_resume
+from gateway.capacity_queue import CapacityQueue
 from gateway.choices import ChoiceResult, ChoiceSpec, Delta, FinishReason, TokenLogprob
 from gateway.decode_batch import StepGatherer
 from gateway.detokenize import IncrementalDetokenizer
@@ -76,6 +77,8 @@ class Engine(PromptRules):
         self.executor = ThreadPoolExecutor(settings.backend_threads, thread_name_prefix="swarmserve-backend")
         #: compiles ``response_format`` into per-choice token masks (structured outputs)
         self.structured = StructuredOutputs(self.tokenizer, self.eos_ids, self.executor)
+        #: requests that found the swarm full wait here for room, in order (gateway/capacity_queue.py)
+        self.capacity = CapacityQueue(settings.busy_queue_timeout_s)
         #: the app's metrics (gateway/metrics.py; set by ``install_metrics``); None: nothing is measured
         self.metrics: GatewayMetrics | None = None
         #: the backend, when it can reuse sessions across requests
@@ -102,6 +105,14 @@ class Engine(PromptRules):
     async def start(self, specs: Sequence[ChoiceSpec], session_key: str | None = None) -> Generation:
         """Open one session per choice; raise (nothing left open) if any cannot be opened. Choice 0 resumes
         the cached session sharing the longest prefix with its prompt (``session_key``'s, when given)."""
+        handles = await self.capacity.admit(functools.partial(self._open_all, specs, session_key))
+        timeout = self.settings.request_timeout_s
+        deadline = asyncio.get_running_loop().time() + timeout if timeout > 0 else None
+        return Generation(self, list(specs), handles, deadline)
+
+    async def _open_all(self, specs: Sequence[ChoiceSpec], session_key: str | None) -> list[SessionHandle]:
+        """One open session per choice, or an exception and nothing left open (a full swarm's
+        ``SwarmBusyError`` sends the request to wait in ``capacity``)."""
         reuse = await self._claim(specs[0], session_key) if specs else None
         handles = [SessionHandle(self.executor, reuse if i == 0 else None) for i in range(len(specs))]
         try:
@@ -116,9 +127,7 @@ class Engine(PromptRules):
             for h in handles:
                 await h.aclose()
             raise
-        timeout = self.settings.request_timeout_s
-        deadline = asyncio.get_running_loop().time() + timeout if timeout > 0 else None
-        return Generation(self, list(specs), handles, deadline)
+        return handles
 
     async def _claim(self, spec: ChoiceSpec, session_key: str | None) -> Reuse | None:
         # a store is kept only with a resumable backend; scoring the prompt feeds it token by token anyway
@@ -127,14 +136,12 @@ class Engine(PromptRules):
         claim = await self.store.claim(spec.prompt_ids, session_key)
         return None if claim is None else Reuse(self.resumable, self.store, claim, self.replica_id)
 
-    def _max_length(self, spec: ChoiceSpec, handle: SessionHandle) -> int:
-        needed = len(spec.prompt_ids) + spec.max_tokens
-        if handle.reuse is None:
-            return needed
-        limit = self.backend.max_context
-        if self.settings.affinity_max_length is not None:
-            limit = min(limit, self.settings.affinity_max_length)
-        return max(needed, limit)
+    @staticmethod
+    def _max_length(spec: ChoiceSpec, handle: SessionHandle) -> int:
+        """What the choice needs, never more: servers grow caches on demand, and a reused session's cap is
+        raised when a later turn resumes it (a session sized for a 128k context window would be refused by
+        every server whose budget is smaller, and would hold nothing more anyway)."""
+        return len(spec.prompt_ids) + spec.max_tokens
 
     @staticmethod
     def _reusable_prefix(held: Sequence[int], prompt_ids: Sequence[int]) -> int:
@@ -283,6 +290,7 @@ class Engine(PromptRules):
                 cached = 0 if handle.cached_tokens_lost else reused
                 self.metrics.observe_usage(len(spec.prompt_ids), produced, cached)
             await handle.aclose()
+            self.capacity.released()
 
     def _token_clock(self, since: float, *, first: bool = False) -> float:
         """Record the time to the first token (``since`` = the session's opening) or between two tokens;

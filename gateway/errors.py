@@ -22,6 +22,7 @@ stream's 200, which become a ``data: {"error": ...}`` frame):
 from __future__ import annotations
 
 import logging
+import math
 import re
 from collections.abc import Sequence
 from typing import Any
@@ -32,7 +33,7 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from swarm_client.errors import NoRouteError, SwarmError
+from swarm_client.errors import NoRouteError, SessionTooLongError, SwarmBusyError, SwarmError
 
 logger = logging.getLogger(__name__)
 
@@ -180,6 +181,15 @@ def to_gateway_error(exc: BaseException, *, retry_after_s: int | None = None) ->
         if blocks and blocks not in str(exc):
             message += f" (no server holds blocks {blocks})"
         return ServiceUnavailableError(message, code="no_route", retry_after_s=retry_after_s)
+    if isinstance(exc, SwarmBusyError):
+        wait = max(1, math.ceil(exc.retry_after)) if retry_after_s is None else retry_after_s
+        return ServiceUnavailableError(
+            f"The swarm is at capacity: {exc}", code="swarm_busy", retry_after_s=wait
+        )
+    if isinstance(exc, SessionTooLongError):
+        return InvalidRequestError(
+            f"The swarm's servers cannot hold this request: {exc}", param="max_tokens", code="session_too_long"
+        )
     if isinstance(exc, SwarmError):
         return ServiceUnavailableError(
             f"The swarm failed to serve this request: {type(exc).__name__}: {exc}",

@@ -35,6 +35,9 @@ class GatewaySettings(BaseSettings):
     batch_decode: bool = True
     #: what a 503 tells the client to wait before retrying
     retry_after_s: int = Field(default=5, ge=0)
+    #: how long a request waits in line for room when every server is full (gateway/capacity_queue.py)
+    #: before its 503 + Retry-After; 0: answer the 503 at once
+    busy_queue_timeout_s: float = Field(default=8.0, ge=0)
     #: session-affinity store; None = in-memory (one gateway replica)
     redis_url: str | None = None
     #: resume the servers' KV caches of earlier requests that share the prompt's prefix (gateway/sessions.py)
@@ -43,9 +46,6 @@ class GatewaySettings(BaseSettings):
     affinity_ttl_s: float = Field(default=300.0, gt=0)
     #: granularity (tokens) of the prefix index that finds the longest cached prefix
     affinity_block_tokens: int = Field(default=16, ge=1)
-    #: ``max_length`` of reusable sessions (default: the context window, so any later turn fits); lower it
-    #: when workers run with ``--cache-tokens`` below the context window, which they would refuse
-    affinity_max_length: int | None = Field(default=None, ge=1)
     #: this replica's name in affinity records (default: host, pid and a random suffix)
     replica_id: str | None = None
     #: how the served model writes tool calls (gateway/tool_formats.py); auto: read from its chat template

@@ -208,25 +208,31 @@ class SwarmBackend:
             raise PeerError("the gateway's swarm client is shut down")
         if resume is not None:
             return self._resume(max_length, resume)
-        with _as_swarm_errors():
-            # the same call the session's first step makes; it re-reads the DHT once before giving up
-            planned = runtime.run(self.manager.make_route(0, self.num_blocks, cache_tokens_needed=max_length))
         inner = self.model.blocks.inference_session(max_length, batch_size=1, session_id=session_id)
+        with _as_swarm_errors():
+            # the servers' streams open now, not on the first step: no room anywhere (SwarmBusyError), no
+            # server able to hold the session (SessionTooLongError) or no route (NoRouteError) are answers
+            # before any stream starts
+            try:
+                inner.open()
+            except BaseException:
+                inner.close()
+                raise
         session = SwarmSession(self, inner, max_length, session_id)
-        session.planned_route = list(planned)
+        session.planned_route = list(inner.route)
         with self._lock:
             self._sessions.add(session)
         return session
 
     def _resume(self, max_length: int, snapshot: SessionSnapshot) -> SwarmSession:
+        """The detached session ``snapshot`` describes, its cap raised to ``max_length`` when this turn needs
+        more room than earlier ones asked for (servers grow caches on demand: nothing is reserved)."""
         state = snapshot.state
         held = int(state.get("position", 0))
-        if int(state.get("max_length", 0)) < max_length:
-            raise SessionNotFoundError(f"the cached session holds at most {state.get('max_length')} tokens")
         if (state.get("start"), state.get("end")) != (0, self.num_blocks) or len(snapshot.token_ids) > held:
             raise SessionNotFoundError("the snapshot does not describe a whole-model session of this model")
         with _as_swarm_errors():
-            inner = InferenceSession.resume(self.manager, state, keep_on_close=False)
+            inner = InferenceSession.resume(self.manager, state, keep_on_close=False, max_length=max_length)
         session = SwarmSession(self, inner, inner.max_length, inner.session_id)
         if len(snapshot.token_ids) < inner.position:
             inner.rollback(len(snapshot.token_ids))

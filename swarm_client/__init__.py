@@ -8,8 +8,11 @@ from swarm_client.errors import (
     PeerError,
     PeerTimeout,
     RemoteError,
+    ServerBusyError,
     SessionLost,
     SessionNotFoundError,
+    SessionTooLongError,
+    SwarmBusyError,
     SwarmError,
 )
 
@@ -23,8 +26,11 @@ __all__ = [
     "PeerError",
     "PeerTimeout",
     "RemoteError",
+    "ServerBusyError",
     "SessionLost",
     "SessionNotFoundError",
+    "SessionTooLongError",
+    "SwarmBusyError",
     "SwarmError",
 ]
 

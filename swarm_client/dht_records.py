@@ -58,6 +58,10 @@ class ServerInfo(BaseModel):
     end_block: int = Field(gt=0)
     throughput: float = Field(ge=0.0, description="tokens/s the server can push through one block")
     cache_tokens_left: int = Field(ge=0, default=0)
+    #: the server's whole cache budget (None: an older server that does not say): no session longer fits
+    cache_tokens_total: int | None = Field(ge=0, default=None)
+    #: session slots free for new sessions (None: not announced)
+    sessions_left: int | None = Field(ge=0, default=None)
     version: str = PROTOCOL_VERSION
     dtype: str = "float32"
     public_name: str | None = None
@@ -172,6 +176,8 @@ class _WireRecord(pv1.BaseModel):
     end_block: pv1.conint(strict=True, gt=0)  # type: ignore[valid-type]
     throughput: pv1.confloat(strict=True, ge=0.0)  # type: ignore[valid-type]
     cache_tokens_left: pv1.conint(strict=True, ge=0)  # type: ignore[valid-type]
+    cache_tokens_total: Optional[pv1.conint(strict=True, ge=0)] = None  # type: ignore[valid-type]  # noqa: UP045
+    sessions_left: Optional[pv1.conint(strict=True, ge=0)] = None  # type: ignore[valid-type]  # noqa: UP045
     version: pv1.StrictStr
     dtype: pv1.StrictStr
     public_name: Optional[pv1.StrictStr]  # noqa: UP045

@@ -8,8 +8,14 @@
     │   ├── InvalidInputError   bad shape / dtype / hidden size / metadata
     │   ├── LengthExceededError a step would go past the session's max_length
     │   ├── SessionNotFoundError unknown (or expired / evicted) session id
+    │   ├── SessionTooLongError  the session's max_length is more than this server can ever hold
     │   └── CacheExhaustedError the server's KV-cache budget cannot fit the request
+    │       └── ServerBusyError  full for now (sessions or cache), with how much is free: not a fault
+    ├── SwarmBusyError          every server that could serve a span is full right now
     └── SessionLost             failover gave up (deadline passed, no replacement)
+
+A full server is not a broken one: ``ServerBusyError`` and ``SessionTooLongError`` never get a server banned;
+the client routes around them, and says ``SwarmBusyError`` (with a retry hint) when nobody has room.
 
 Servers put ``{"error": {"code": ..., "message": ...}}`` in the response metadata; ``error_from_wire``
 turns it back into the matching class on the client.
@@ -44,12 +50,23 @@ class SessionLost(SwarmError):
     pass
 
 
+class SwarmBusyError(SwarmError):
+    """No server that holds the needed blocks has room for another session (or for this one's growth) now.
+    ``retry_after`` (seconds) is a hint for when to try again."""
+
+    def __init__(self, message: str, retry_after: float = 1.0):
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
 class RemoteError(SwarmError):
     code = "remote_error"
 
-    def __init__(self, message: str, peer_id: str | None = None):
+    def __init__(self, message: str, peer_id: str | None = None, details: dict | None = None):
         super().__init__(message)
         self.peer_id = peer_id
+        #: machine-readable facts the server sent with the error (``ServerBusyError``: what is free)
+        self.details = dict(details or {})
 
 
 class InvalidInputError(RemoteError):
@@ -64,8 +81,22 @@ class SessionNotFoundError(RemoteError):
     code = "session_not_found"
 
 
+class SessionTooLongError(RemoteError):
+    """``max_length`` exceeds the server's whole cache budget (``details["cache_tokens_total"]``): no wait
+    makes it fit there, another server might."""
+
+    code = "session_too_long"
+
+
 class CacheExhaustedError(RemoteError):
     code = "cache_exhausted"
+
+
+class ServerBusyError(CacheExhaustedError):
+    """Full for now: ``details["reason"]`` is ``sessions`` (the server's session slots), ``peer_sessions``
+    (this client's share of them) or ``cache`` (token slots), with ``cache_tokens_left`` / ``sessions_left``."""
+
+    code = "server_busy"
 
 
 _BY_CODE: dict[str, type[RemoteError]] = {
@@ -75,15 +106,33 @@ _BY_CODE: dict[str, type[RemoteError]] = {
         InvalidInputError,
         LengthExceededError,
         SessionNotFoundError,
+        SessionTooLongError,
         CacheExhaustedError,
+        ServerBusyError,
     )
 }
 
 
+#: details a server may send: small ints and short strings only (a stranger's payload is bounded)
+_DETAIL_KEYS = ("reason", "cache_tokens_left", "cache_tokens_total", "sessions_left")
+
+
 def error_to_wire(exc: RemoteError) -> dict:
-    return {"code": exc.code, "message": str(exc)}
+    payload: dict = {"code": exc.code, "message": str(exc)}
+    if exc.details:
+        payload["details"] = exc.details
+    return payload
 
 
 def error_from_wire(payload: dict, peer_id: str | None = None) -> RemoteError:
     cls = _BY_CODE.get(str(payload.get("code")), RemoteError)
-    return cls(str(payload.get("message", "unknown remote error")), peer_id=peer_id)
+    raw = payload.get("details")
+    details = {}
+    if isinstance(raw, dict):
+        for key in _DETAIL_KEYS:
+            value = raw.get(key)
+            if (isinstance(value, int) and not isinstance(value, bool) and value >= 0) or (
+                isinstance(value, str) and len(value) <= 32
+            ):
+                details[key] = value
+    return cls(str(payload.get("message", "unknown remote error"))[:1000], peer_id=peer_id, details=details)

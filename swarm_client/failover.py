@@ -22,7 +22,10 @@ from swarm_client.errors import (
     NoRouteError,
     PeerError,
     RemoteError,
+    ServerBusyError,
     SessionLost,
+    SessionTooLongError,
+    SwarmBusyError,
 )
 from swarm_client.history import HistoryBuffer
 from swarm_client.routing import RouteHop, find_route
@@ -36,11 +39,46 @@ CALLER_ERRORS = (InvalidInputError, LengthExceededError)
 OpenHops = Callable[[list[RouteHop]], Awaitable[list[_ServerSession]]]
 
 
+#: how often a client whose every candidate server is full tries again, while it waits for room
+BUSY_POLL = 0.25
+
+
+def all_busy(manager: SequenceManager, start: int, end: int) -> bool:
+    """No route over ``[start, end)`` avoids the servers that just said they are full."""
+    try:
+        find_route(manager.spans, start, end, banned=manager.bans.banned() | manager.busy_peers())
+    except NoRouteError:
+        return True
+    return False
+
+
+async def wait_for_room(
+    manager: SequenceManager, error: ServerBusyError | SessionTooLongError, start: int, end: int, give_up_at: float
+) -> None:
+    """A server of ``[start, end)`` is full (or too small): route around it at once when another can take
+    the session, else wait a little for room — up to ``give_up_at``, then ``SwarmBusyError`` (or the
+    ``SessionTooLongError`` itself: waiting never makes a session fit a smaller cache). Never a ban."""
+    if error.peer_id:
+        manager.mark_busy(error.peer_id, str(error))
+    if not all_busy(manager, start, end):
+        return
+    if isinstance(error, SessionTooLongError):
+        raise error
+    if time.monotonic() + BUSY_POLL > give_up_at:
+        raise SwarmBusyError(
+            f"every server that holds blocks {start}:{end} is full right now ({error}); retry in a few seconds",
+            retry_after=manager.config.busy_mark,
+        ) from error
+    await asyncio.sleep(BUSY_POLL)
+
+
 async def open_span(
     manager: SequenceManager, start: int, end: int, cache_tokens: int, open_hops: OpenHops
 ) -> list[_ServerSession]:
-    """Route ``[start, end)`` and open streams, banning servers that fail until the failover deadline."""
-    deadline = time.monotonic() + manager.config.failover_deadline
+    """Route ``[start, end)`` and open streams, banning servers that fail until the failover deadline; a
+    full server is routed around (``wait_for_room``), for ``busy_wait`` seconds at most."""
+    now = time.monotonic()
+    deadline, busy_deadline = now + manager.config.failover_deadline, now + manager.config.busy_wait
     while True:
         try:
             hops = await manager.make_route(start, end, cache_tokens_needed=cache_tokens)
@@ -51,6 +89,8 @@ async def open_span(
             if time.monotonic() + 0.5 > deadline:
                 raise
             await asyncio.sleep(0.5)
+        except (ServerBusyError, SessionTooLongError) as e:
+            await wait_for_room(manager, e, start, end, busy_deadline)
         except (PeerError, RemoteError) as e:
             if getattr(e, "peer_id", None):
                 manager.ban(e.peer_id, str(e))
@@ -73,6 +113,7 @@ async def replace_span(
     server sessions and their histories.
     """
     config = manager.config
+    busy_deadline = time.monotonic() + config.busy_wait
     while True:
         if time.monotonic() > deadline:
             raise SessionLost(
@@ -99,6 +140,10 @@ async def replace_span(
             if time.monotonic() + 0.5 > deadline:
                 raise
             await asyncio.sleep(0.5)
+        except (ServerBusyError, SessionTooLongError) as e:
+            error = e
+            await close_all(sessions)
+            await wait_for_room(manager, e, failed.start, failed.end, min(deadline, busy_deadline))
         except (PeerError, RemoteError) as e:
             error = e
             await close_all(sessions)

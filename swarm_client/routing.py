@@ -96,12 +96,19 @@ def find_route(
     banned: Collection[str] = (),
     default_rtt: float = 0.01,
     cache_tokens_needed: int = 0,
+    busy: Collection[str] = (),
+    load: Mapping[str, float] | None = None,
 ) -> list[RouteHop]:
     """Cheapest chain of ONLINE, unbanned servers that runs blocks ``[start, end)`` in order.
 
-    A hop on ``peer`` over ``[s, e)`` costs ``rtt[peer] + (e - s) / throughput``, plus ``CACHE_PENALTY``
-    if the server's ``cache_tokens_left < cache_tokens_needed``. Among equally cheap routes the one with
-    fewer hops wins, then the one whose peer ids (and split points) sort first. An empty range gives ``[]``.
+    A hop on ``peer`` over ``[s, e)`` costs ``rtt[peer] + (e - s) / throughput × (1 + load)``, plus
+    ``CACHE_PENALTY`` if the server is full for this session: ``cache_tokens_left < cache_tokens_needed``,
+    no free session slot announced, or in ``busy`` (it just answered "busy"). ``load`` is how occupied the
+    server is — the announced share of its cache in use, plus ``load[peer]`` (the caller's own sessions
+    there, which announcements report late) — so sessions spread instead of piling onto the fastest server.
+    A server whose whole budget (``cache_tokens_total``) is below ``cache_tokens_needed`` is not eligible.
+    Among equally cheap routes the one with fewer hops wins, then the one whose peer ids (and split points)
+    sort first. An empty range gives ``[]``.
 
     Raises ``NoRouteError`` naming the blocks no eligible server holds (in ``missing_blocks``).
     """
@@ -111,19 +118,24 @@ def find_route(
         return []
     rtt = rtt or {}
     banned_set = set(banned)
+    busy_set, load = set(busy), load or {}
     eligible = [
         span
         for peer_id, span in sorted(spans.items())
         if span.state == ServerState.ONLINE
         and peer_id not in banned_set
         and max(span.start, start) < min(span.end, end)
+        and (span.server_info.cache_tokens_total is None or span.server_info.cache_tokens_total >= cache_tokens_needed)
     ]
 
     def hop_cost(span: RemoteSpanInfo, num_blocks: int) -> float:
         info = span.server_info
-        compute = num_blocks / max(info.throughput, _MIN_THROUGHPUT)
+        occupied = load.get(span.peer_id, 0.0)
+        if info.cache_tokens_total:
+            occupied += 1.0 - min(info.cache_tokens_left, info.cache_tokens_total) / info.cache_tokens_total
+        compute = num_blocks / max(info.throughput, _MIN_THROUGHPUT) * (1.0 + occupied)
         cost = max(rtt.get(span.peer_id, default_rtt), 0.0) + compute
-        if info.cache_tokens_left < cache_tokens_needed:
+        if info.cache_tokens_left < cache_tokens_needed or info.sessions_left == 0 or span.peer_id in busy_set:
             cost += CACHE_PENALTY
         return cost
 

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 
 from hivemind.dht import DHT
@@ -21,7 +23,7 @@ from swarm_client.dht_records import (
     record_validators,
     spans_from_records,
 )
-from swarm_client.errors import NoRouteError, PeerError, PeerTimeout
+from swarm_client.errors import NoRouteError, PeerError, PeerTimeout, SessionTooLongError
 from swarm_client.protocol import MAX_PIPELINE_GROUPS
 from swarm_client.routing import BanList, RouteHop, find_route, missing_blocks
 from swarm_client.step_bundles import StepBundler
@@ -77,7 +79,17 @@ class ClientConfig:
     step_bundles: bool = False
     ban_base: float = 1.0
     ban_max: float = 60.0
+    #: a server that answered "busy" (full, not faulty) is avoided by routing for this long — never banned
+    busy_mark: float = 2.0
+    #: how long opening a span keeps retrying while every server of it is busy, before ``SwarmBusyError``
+    #: (the gateway queues the request itself; a library caller may wait longer)
+    busy_wait: float = 3.0
     extra: dict = field(default_factory=dict)
+
+
+#: routing cost of each of this client's own open sessions on a server, as a share of its compute cost: a
+#: gateway spreads its sessions over the servers of a span instead of piling them onto the fastest one
+LOCAL_SESSION_LOAD = 0.25
 
 
 class SequenceManager:
@@ -102,6 +114,10 @@ class SequenceManager:
         self._update_lock: asyncio.Lock | None = None
         self._sessions_dealt = 0
         self._bundlers: dict[str, StepBundler] = {}
+        #: peer → monotonic time until which it counts as busy (it answered ``ServerBusyError``)
+        self._busy_until: dict[str, float] = {}
+        #: this client's open server sessions per peer (routing load; announcements lag behind)
+        self.sessions_on: Counter[str] = Counter()
 
     @property
     def groups_follow_route(self) -> bool:
@@ -182,22 +198,42 @@ class SequenceManager:
         self.rtt[peer_id] = time.perf_counter() - t0
 
     async def make_route(self, start: int, end: int, cache_tokens_needed: int = 0) -> list[RouteHop]:
-        """A route over ``[start, end)``; re-reads the DHT once before giving up with NoRouteError."""
+        """A route over ``[start, end)``; re-reads the DHT once before giving up with NoRouteError, or with
+        ``SessionTooLongError`` when the blocks are served but no server's whole cache could hold the session."""
         for attempt in range(2):
             spans = await self.update(force=attempt > 0)
+            load = {peer: LOCAL_SESSION_LOAD * n for peer, n in self.sessions_on.items() if n > 0}
+            route = functools.partial(
+                find_route, spans, start, end, rtt=self.rtt, banned=self.bans.banned(), load=load
+            )
             try:
-                return find_route(
-                    spans,
-                    start,
-                    end,
-                    rtt=self.rtt,
-                    banned=self.bans.banned(),
-                    cache_tokens_needed=cache_tokens_needed,
-                )
+                return route(cache_tokens_needed=cache_tokens_needed, busy=self.busy_peers())
             except NoRouteError:
-                if attempt == 1:
+                if attempt == 0:
+                    continue
+                try:
+                    route(cache_tokens_needed=0)
+                except NoRouteError:
                     raise
+                largest = max((s.server_info.cache_tokens_total or 0 for s in spans.values()), default=0)
+                raise SessionTooLongError(
+                    f"no server of blocks {start}:{end} can hold a session of {cache_tokens_needed} tokens "
+                    f"(the largest cache budget announced is {largest}); ask for fewer tokens",
+                    details={"cache_tokens_total": largest},
+                ) from None
         raise AssertionError("unreachable")
+
+    def mark_busy(self, peer_id: str, reason: str) -> None:
+        """``peer_id`` is full for now: routing avoids it for ``busy_mark`` seconds. Not a ban: a full
+        server is not a broken one, and it takes sessions again as soon as it has room."""
+        self._busy_until[peer_id] = time.monotonic() + self.config.busy_mark
+        logger.info("server %s is busy, routing around it for %.1fs: %s", peer_id, self.config.busy_mark, reason)
+
+    def busy_peers(self) -> set[str]:
+        now = time.monotonic()
+        for peer in [p for p, until in self._busy_until.items() if until <= now]:
+            del self._busy_until[peer]
+        return set(self._busy_until)
 
     def ban(self, peer_id: str, reason: str) -> None:
         seconds = self.bans.ban(peer_id)

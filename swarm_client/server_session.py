@@ -38,6 +38,7 @@ class _ServerSession:
         self._inbox: asyncio.Queue = asyncio.Queue()
         self._reader: asyncio.Task | None = None
         self.closed = False
+        self._counted = False  # in ``manager.sessions_on`` while open
 
     async def _requests(self):
         while True:
@@ -127,6 +128,9 @@ class _ServerSession:
         }
         _, metadata = await self._exchange(protocol.make_request(open=spec), timeout)
         self.position = int(metadata.get("position", 0))
+        if not self._counted:  # routing's view of this client's load on the server
+            self._counted = True
+            self.manager.sessions_on[self.hop.peer_id] += 1
         return self.position
 
     async def step(
@@ -178,6 +182,9 @@ class _ServerSession:
         if self.closed:
             return
         self.closed = True
+        if self._counted:
+            self._counted = False
+            self.manager.sessions_on[self.hop.peer_id] -= 1
         if self._responses is not None:
             self._queue.put_nowait(protocol.make_request(close={"keep": keep}))
         self._queue.put_nowait(None)

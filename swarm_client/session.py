@@ -234,7 +234,10 @@ class InferenceSession:
     async def _replace_hop(self, index: int, position: int, error: Exception, deadline: float) -> None:
         """Ban the failed server, route its span anew, replay the span's history into the replacement."""
         failed = self._hops[index]
-        self.manager.ban(failed.hop.peer_id, str(error))
+        if isinstance(error, CacheExhaustedError):  # full, not faulty: move the session, ban nobody
+            self.manager.mark_busy(failed.hop.peer_id, str(error))
+        else:
+            self.manager.ban(failed.hop.peer_id, str(error))
         replay_input = self._history[index].read(position)
         await failed.close()
         del self._hops[index]
@@ -277,8 +280,11 @@ class InferenceSession:
         }
 
     @classmethod
-    async def aresume(cls, manager: SequenceManager, state: dict, keep_on_close: bool = True) -> InferenceSession:
-        """Re-attach to the caches a previous session left on its servers (``keep_on_close=True``).
+    async def aresume(
+        cls, manager: SequenceManager, state: dict, keep_on_close: bool = True, max_length: int | None = None
+    ) -> InferenceSession:
+        """Re-attach to the caches a previous session left on its servers (``keep_on_close=True``); a larger
+        ``max_length`` than the session had raises its servers' caps (they grow on demand, reserving nothing).
 
         Raises ``SessionNotFoundError`` if any server no longer holds the expected prefix; the caller then
         starts a fresh session.
@@ -287,7 +293,7 @@ class InferenceSession:
             manager,
             state["start"],
             state["end"],
-            state["max_length"],
+            max(int(state["max_length"]), max_length or 0),
             state["batch_size"],
             state["session_id"],
             keep_on_close,
@@ -320,8 +326,20 @@ class InferenceSession:
         return session
 
     @classmethod
-    def resume(cls, manager: SequenceManager, state: dict, keep_on_close: bool = True) -> InferenceSession:
-        return runtime.run(cls.aresume(manager, state, keep_on_close))
+    def resume(
+        cls, manager: SequenceManager, state: dict, keep_on_close: bool = True, max_length: int | None = None
+    ) -> InferenceSession:
+        return runtime.run(cls.aresume(manager, state, keep_on_close, max_length))
+
+    async def aopen(self) -> None:
+        """Open the servers' streams now rather than on the first step, so a caller learns before it
+        commits to anything (an HTTP 200) whether the swarm has room (``SwarmBusyError``) or can hold the
+        session at all (``SessionTooLongError``)."""
+        if not self._hops and not self.closed:
+            await self._build_chain(0, self.start, self.end)
+
+    def open(self) -> None:
+        runtime.run(self.aopen())
 
     @property
     def route(self) -> list[RouteHop]:

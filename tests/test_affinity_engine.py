@@ -99,6 +99,7 @@ class ResumableLocal:
             raise SessionNotFoundError("evicted")
         assert local.token_ids[: len(resume.token_ids)] == resume.token_ids
         local.rollback(len(resume.token_ids))
+        local.max_length = max(local.max_length, max_length)  # the protocol: a resumed session's cap grows
         return _KeptSession(self, local, resumed=True)
 
     def evict_all(self) -> None:

@@ -5,7 +5,13 @@ import time
 import pytest
 import torch
 
-from swarm_client.errors import CacheExhaustedError, InvalidInputError, SessionNotFoundError
+from swarm_client.errors import (
+    CacheExhaustedError,
+    InvalidInputError,
+    ServerBusyError,
+    SessionNotFoundError,
+    SessionTooLongError,
+)
 from swarm_client.families import CacheLayout
 from worker.cache import MIN_CAPACITY, CacheManager
 
@@ -31,8 +37,9 @@ def test_cache_grows_on_demand_and_keeps_prefix():
 
 def test_session_larger_than_budget_is_rejected_with_advice():
     m = manager(tokens=100)
-    with pytest.raises(CacheExhaustedError, match="max_length"):
+    with pytest.raises(SessionTooLongError, match="max_length") as e:
         m.open("a", batch_size=2, max_length=80)
+    assert e.value.details == {"cache_tokens_total": 100}
 
 
 def test_full_cache_raises_and_detached_sessions_are_evicted_lru():
@@ -55,8 +62,22 @@ def test_no_room_and_nothing_to_evict():
     m = manager(tokens=128)
     a = m.open("a", 1, 128)
     m.ensure_capacity(a, 128)
-    with pytest.raises(CacheExhaustedError, match="cache is full"):
+    with pytest.raises(ServerBusyError, match="cache is full") as e:
         m.open("b", 1, 64)
+    assert isinstance(e.value, CacheExhaustedError)  # a kind of it: older clients still understand it
+    assert e.value.details == {"reason": "cache", "cache_tokens_left": 0, "sessions_left": m.max_sessions - 2}
+
+
+def test_resume_may_raise_the_cap_within_the_budget():
+    m = manager(tokens=256)
+    a = m.open("a", 1, 64)
+    m.release("a", keep=True)
+    with pytest.raises(SessionTooLongError):
+        m.resume("a", max_length=1000)
+    assert not m.sessions["a"].attached  # still resumable
+    assert m.resume("a", max_length=200) is a and a.max_length == 200
+    m.ensure_capacity(a, 200)
+    assert a.capacity == 200
 
 
 def test_resume_detached_and_errors():

@@ -152,7 +152,8 @@ def test_spot_check_catches_a_server_returning_wrong_activations(faulty_swarm, t
         assert tokens == reference  # the noisy server was caught before its output reached the LM head
         assert session.spot_check_failures == 1 and session.spot_checks > 3
         assert bad.peer_id not in {h.peer_id for h in session.route}
-        assert model.manager.bans.is_banned(bad.peer_id)
+        # banned for its fault (the 1 s first ban may have run out on a loaded machine: count, not clock)
+        assert model.manager.bans.failures(bad.peer_id) == 1
     finally:
         model.shutdown()
         bad.kill()

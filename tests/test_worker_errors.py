@@ -7,10 +7,10 @@ import torch
 
 from swarm_client import (
     AutoDistributedModelForCausalLM,
-    CacheExhaustedError,
     InvalidInputError,
     LengthExceededError,
     SessionNotFoundError,
+    SessionTooLongError,
     runtime,
 )
 from swarm_client.dht_records import ServerState, fetch_block_records
@@ -87,8 +87,9 @@ def test_unknown_session_is_not_found(setup, local_llama):
 
 def test_too_many_cache_tokens_requested(setup, local_llama):
     s, model = setup
-    with pytest.raises(CacheExhaustedError, match="256"):
+    with pytest.raises(SessionTooLongError, match="256") as e:  # typed: no wait makes it fit here
         open_raw(model, s.workers[0].peer_id, max_length=100_000, session_id="huge")
+    assert e.value.details == {"cache_tokens_total": 256}
     greedy_still_works(model, local_llama)
 
 

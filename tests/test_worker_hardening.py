@@ -20,6 +20,7 @@ from swarm_client import (
     AutoDistributedModelForCausalLM,
     CacheExhaustedError,
     InvalidInputError,
+    ServerBusyError,
     protocol,
     runtime,
 )
@@ -119,8 +120,9 @@ def test_session_caps_per_peer_and_in_all() -> None:
     )
     caches.open("a1", 1, 8, owner="A")
     caches.open("a2", 1, 8, owner="A")
-    with pytest.raises(CacheExhaustedError, match="one peer"):
+    with pytest.raises(ServerBusyError, match="this peer holds its maximum of 2") as e:
         caches.open("a3", 1, 8, owner="A")
+    assert e.value.details["reason"] == "peer_sessions" and e.value.details["sessions_left"] == 2
     caches.release("a1", keep=True)  # detached: no longer counts for A
     caches.open("a3", 1, 8, owner="A")
     caches.open("b1", 1, 8, owner="B")
@@ -138,7 +140,7 @@ def test_session_caps_per_peer_and_in_all() -> None:
         caches.open("d1", 1, 8, owner="D")  # all four attached: nothing to evict
     caches.release("c1", keep=True)
     caches.resume("c1", owner="C")  # a resumed session counts for its new owner again
-    with pytest.raises(CacheExhaustedError, match="one peer"):
+    with pytest.raises(CacheExhaustedError, match="this peer holds its maximum"):
         caches.open("c3", 1, 8, owner="C")
     for session_id in list(caches.sessions):
         caches.free(session_id)
@@ -279,7 +281,7 @@ def test_garbage_and_session_floods_leave_a_legitimate_session_intact(setup, loc
             # 3. floods: one peer hits the per-peer cap, the next one the server's total
             opened_a, errors_a = runtime.run(flood(attackers[0], peer, "a", FLOOD, advance))
             assert len(opened_a) == PER_PEER and len(errors_a) == FLOOD - PER_PEER, "\n".join(worker.lines[-80:])
-            others = [e for e in errors_a if not (isinstance(e, CacheExhaustedError) and "one peer" in str(e))]
+            others = [e for e in errors_a if not (isinstance(e, ServerBusyError) and "holds its maximum" in str(e))]
             assert not others, {f"{type(e).__name__}: {e}" for e in others}
             opened_b, errors_b = runtime.run(flood(attackers[1], peer, "b", FLOOD, advance))
             assert len(opened_b) == TOTAL - PER_PEER - 1  # the legitimate session holds one

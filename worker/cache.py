@@ -7,7 +7,9 @@ for many concurrent sessions. Sessions whose stream ended can be kept *detached*
 seconds so a later stream resumes them; detached sessions are evicted LRU when space is needed.
 
 Abuse limits: at most ``max_sessions_per_peer`` attached sessions per remote peer and ``max_sessions``
-sessions in all (detached ones are evicted first). Nothing here runs on a timer: the server calls
+sessions in all (detached ones are evicted first). Being full is answered with a typed ``ServerBusyError``
+saying what is free (clients route elsewhere and never ban a full server); a session that could never fit
+(``max_length`` over the whole budget) with ``SessionTooLongError``. Nothing here runs on a timer: the server calls
 ``expire()`` periodically so detached sessions go even when no request arrives.
 """
 
@@ -21,7 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from swarm_client.errors import CacheExhaustedError, InvalidInputError, SessionNotFoundError
+from swarm_client.errors import InvalidInputError, ServerBusyError, SessionNotFoundError, SessionTooLongError
 from swarm_client.families import CacheLayout
 
 MIN_CAPACITY = 64
@@ -106,11 +108,7 @@ class CacheManager:
             raise InvalidInputError(
                 f"session {session_id!r} already exists on this server; resume it instead"
             )
-        if batch_size * max_length > self.max_tokens:
-            raise CacheExhaustedError(
-                f"batch_size * max_length = {batch_size * max_length} token slots exceeds this server's whole "
-                f"cache budget of {self.max_tokens}; ask for a shorter max_length or use another server"
-            )
+        self._check_fits(batch_size, max_length)
         self._check_owner(owner)
         self._make_session_room()
         layers = self.num_layers if num_layers is None else num_layers
@@ -124,10 +122,31 @@ class CacheManager:
             raise
         return cache
 
+    def _check_fits(self, batch_size: int, max_length: int) -> None:
+        """A session that could never fit here, even with the whole budget, is refused up front (only the
+        first chunk is allocated now: the cache grows as it fills, up to ``max_length``)."""
+        if batch_size * max_length > self.max_tokens:
+            raise SessionTooLongError(
+                f"batch_size * max_length = {batch_size * max_length} token slots exceeds this server's whole "
+                f"cache budget of {self.max_tokens}; ask for a shorter max_length or use another server",
+                details={"cache_tokens_total": self.max_tokens},
+            )
+
+    def _busy(self, reason: str, message: str) -> ServerBusyError:
+        return ServerBusyError(
+            f"{message}; retry later or route to another server",
+            details={"reason": reason, **self.room()},
+        )
+
+    def room(self) -> dict[str, int]:
+        """What is free now: token slots, and session slots (detached sessions can be evicted)."""
+        attached = sum(1 for s in self.sessions.values() if s.attached)
+        return {"cache_tokens_left": max(0, self.tokens_left), "sessions_left": max(0, self.max_sessions - attached)}
+
     def _check_owner(self, owner: str | None) -> None:
         if owner is not None and self._owned[owner] >= self.max_sessions_per_peer:
             limit = self.max_sessions_per_peer
-            raise CacheExhaustedError(f"too many open sessions from one peer (limit {limit})")
+            raise self._busy("peer_sessions", f"this peer holds its maximum of {limit} sessions on this server")
 
     def _make_session_room(self) -> None:
         """Keep the session count under ``max_sessions``: expire, then evict detached sessions LRU."""
@@ -138,10 +157,7 @@ class CacheManager:
         for victim in detached[: len(self.sessions) - self.max_sessions + 1]:
             self.free(victim.session_id)
         if len(self.sessions) >= self.max_sessions:
-            raise CacheExhaustedError(
-                f"server holds its maximum of {self.max_sessions} sessions; "
-                "retry later or route to another server"
-            )
+            raise self._busy("sessions", f"server holds its maximum of {self.max_sessions} sessions")
 
     def _attach(self, cache: SessionCache, owner: str | None) -> None:
         cache.attached, cache.owner = True, owner
@@ -155,7 +171,9 @@ class CacheManager:
                 del self._owned[cache.owner]
         cache.attached, cache.owner = False, None
 
-    def resume(self, session_id: str, owner: str | None = None) -> SessionCache:
+    def resume(self, session_id: str, owner: str | None = None, max_length: int | None = None) -> SessionCache:
+        """Re-attach a detached session; a larger ``max_length`` raises its cap (a conversation's next turn
+        may be longer than the first request asked for) if the budget could ever hold it."""
         self.expire()
         cache = self.sessions.get(session_id)
         if cache is None:
@@ -164,7 +182,11 @@ class CacheManager:
             )
         if cache.attached:
             raise InvalidInputError(f"session {session_id!r} is in use by another stream")
+        if max_length is not None and max_length > cache.max_length:
+            self._check_fits(cache.batch_size, max_length)
         self._check_owner(owner)
+        if max_length is not None and max_length > cache.max_length:
+            cache.max_length = max_length
         self._attach(cache, owner)
         cache.touch()
         return cache
@@ -204,10 +226,9 @@ class CacheManager:
             self.free(victim.session_id)
             if self.tokens_left >= slots:
                 return
-        raise CacheExhaustedError(
-            f"server cache is full: {slots} token slots needed, {self.tokens_left} free of {self.max_tokens}; "
-            "retry later or route to another server"
-        )
+        needed, left = slots, self.tokens_left
+        total = self.max_tokens
+        raise self._busy("cache", f"server cache is full: {needed} token slots needed, {left} free of {total}")
 
     def release(self, session_id: str, keep: bool) -> None:
         """End a stream's hold on a session: keep it detached for the TTL, or free it now."""

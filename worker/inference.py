@@ -136,7 +136,10 @@ class InferenceStreams(ServerPush):
             raise RemoteError("server is shutting down; open the session elsewhere")
         session_id = str(spec.get("session_id") or uuid.uuid4().hex)
         if spec.get("resume"):
-            return self.caches.resume(session_id, owner)
+            wanted = spec.get("max_length")
+            if wanted is not None and (not isinstance(wanted, int) or isinstance(wanted, bool) or wanted < 1):
+                raise InvalidInputError(f"max_length must be a positive int, got {wanted!r}")
+            return self.caches.resume(session_id, owner, max_length=wanted)
         start, end = self._blocks(spec)
         batch_size, max_length = spec.get("batch_size", 1), spec.get("max_length")
         if not isinstance(batch_size, int) or not 1 <= batch_size <= self.limits.max_batch_size:

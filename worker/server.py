@@ -76,7 +76,7 @@ class WorkerConfig:
     drain_timeout: float = 10.0
     throughput: float | None = None
     public_name: str | None = None
-    max_sessions_per_peer: int = 256
+    max_sessions_per_peer: int = 1024
     #: sessions of all peers together (detached ones are evicted first)
     max_sessions: int = 4096
     #: one serialized tensor may not exceed this (checked on the wire, before deserializing)
@@ -250,6 +250,8 @@ class BlockServer:
             end_block=end,
             throughput=float(self.throughput),
             cache_tokens_left=max(0, tokens_left),
+            cache_tokens_total=self.cfg.cache_tokens,
+            sessions_left=self.handler.caches.room()["sessions_left"] if self.handler else self.cfg.max_sessions,
             version=PROTOCOL_VERSION,
             dtype=str(self.dtype).removeprefix("torch."),
             public_name=self.cfg.public_name,

@@ -34,7 +34,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--session-ttl", type=float, default=300.0, help="keep a finished session's cache this long (s)")
     p.add_argument("--idle-timeout", type=float, default=300.0, help="close a stream idle for this long (s)")
     p.add_argument("--max-sessions", type=int, default=4096, help="sessions of all peers together")
-    p.add_argument("--max-sessions-per-peer", type=int, default=256, help="open sessions of one client peer")
+    p.add_argument(
+        "--max-sessions-per-peer",
+        type=int,
+        default=1024,
+        help="open sessions of one client peer (a gateway replica is one peer for all its users; "
+        "past this it routes to other servers)",
+    )
     p.add_argument(
         "--max-tensor-bytes", type=int, default=256 * 2**20, help="reject larger tensors before decoding them"
     )
