@@ -26,6 +26,7 @@ from typing import Any, Protocol, TypeGuard, runtime_checkable
 import torch
 
 __all__ = [
+    "DEFAULT_CONTEXT_WINDOW",
     "BatchingBackend",
     "DecodeSession",
     "ModelBackend",
@@ -36,6 +37,7 @@ __all__ = [
     "SessionRoute",
     "SessionSnapshot",
     "can_resume",
+    "context_window",
 ]
 
 
@@ -150,3 +152,21 @@ class RouteReportingBackend(Protocol):
     def describe_route(self, session: DecodeSession) -> SessionRoute | None:
         """``session``'s route as of now (its planned one before the first step opens the streams); None
         when ``session`` is not one of this backend's."""
+
+#: the window assumed for a model that names none anywhere (BLOOM's ALiBi has no positions table; it was
+#: trained on 2048-token sequences)
+DEFAULT_CONTEXT_WINDOW = 2048
+_CONFIG_WINDOW_FIELDS = ("max_position_embeddings", "n_positions", "seq_length", "max_sequence_length")
+
+
+def context_window(config: Any, tokenizer: Any) -> int:
+    """The model's context window: its config's positions limit (under whichever name the family uses),
+    else the tokenizer's ``model_max_length`` when that is a real value, else ``DEFAULT_CONTEXT_WINDOW``."""
+    for name in _CONFIG_WINDOW_FIELDS:
+        value = getattr(config, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    value = getattr(tokenizer, "model_max_length", None)
+    if isinstance(value, int) and 0 < value < 10**8:  # transformers' "no limit" is a 1e30 sentinel
+        return value
+    return DEFAULT_CONTEXT_WINDOW

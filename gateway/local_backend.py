@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
-from gateway.backend import DecodeSession, SessionRoute
+from gateway.backend import DecodeSession, SessionRoute, context_window
 
 __all__ = ["LocalBackend", "LocalSession"]
 
@@ -93,7 +93,7 @@ class LocalBackend:
             AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, **from_pretrained).to(device).eval()
         )
         self.generation_config = self.model.generation_config
-        self.max_context = int(max_context or self.model.config.max_position_embeddings)
+        self.max_context = int(max_context or context_window(self.model.config, self.tokenizer))
         self._lock = threading.Lock()
         self._sessions: set[LocalSession] = set()
         #: sessions ever opened (tests check that every one was closed)

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from transformers import AutoTokenizer
 
-from gateway.backend import DecodeSession, RouteHopInfo, SessionRoute, SessionSnapshot
+from gateway.backend import DecodeSession, RouteHopInfo, SessionRoute, SessionSnapshot, context_window
 from swarm_client import runtime
 from swarm_client.config import default_dht_prefix, parse_initial_peers
 from swarm_client.dht_records import ServerState
@@ -179,7 +179,7 @@ class SwarmBackend:
         )
         self.model.name_or_path = name
         self.generation_config = self.model.generation_config
-        self.max_context = int(max_context or self.model.config.max_position_embeddings)
+        self.max_context = int(max_context or context_window(self.model.config, self.tokenizer))
         self.num_blocks = int(self.model.config.num_hidden_layers)
         self._lock = threading.Lock()
         self._sessions: set[SwarmSession] = set()

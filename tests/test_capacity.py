@@ -83,6 +83,18 @@ def test_busy_details_cross_the_wire_bounded() -> None:
     assert type(error_from_wire({"code": "session_too_long", "message": "m"})) is SessionTooLongError
 
 
+def test_context_window_of_every_family_config() -> None:
+    from types import SimpleNamespace
+
+    from gateway.backend import DEFAULT_CONTEXT_WINDOW, context_window
+
+    tok = SimpleNamespace(model_max_length=int(1e30))  # transformers' "no limit"
+    assert context_window(SimpleNamespace(max_position_embeddings=131072), tok) == 131072
+    assert context_window(SimpleNamespace(n_positions=1024), tok) == 1024
+    assert context_window(SimpleNamespace(), SimpleNamespace(model_max_length=2048)) == 2048  # BLOOM: ALiBi
+    assert context_window(SimpleNamespace(), tok) == DEFAULT_CONTEXT_WINDOW
+
+
 # --------------------------------------------------------------------------------------------- the line
 
 
