@@ -166,11 +166,12 @@ def _concurrent(gw: Gateway, n: int) -> list[tuple[httpx.Response, float]]:
     return results
 
 
-@pytest.fixture(scope="module")
-def two_servers(tiny_llama: str) -> Iterator[Any]:
-    """Two servers of the whole model, one that holds at most 2 sessions."""
+@pytest.fixture(scope="module", params=["--max-sessions", "--max-sessions-per-peer"])
+def two_servers(request: pytest.FixtureRequest, tiny_llama: str) -> Iterator[Any]:
+    """Two servers of the whole model, one that holds at most 2 sessions (in all, or of one client peer:
+    the gateway is one peer for all its users)."""
     with swarm(tiny_llama, []) as s:
-        s.add_worker("--max-sessions", "2", blocks="0:4")
+        s.add_worker(request.param, "2", blocks="0:4")
         s.add_worker(blocks="0:4")
         yield s
 
