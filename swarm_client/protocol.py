@@ -61,6 +61,14 @@ COMPRESSIONS = {
 }
 
 
+def wire_dtype(span: Any) -> torch.dtype | None:
+    """The floating dtype a server computes in, from its announced span (``span.server_info.dtype``), or
+    None when unknown: activations are sent to it in that dtype, so they cross the wire in it."""
+    name = getattr(getattr(span, "server_info", None), "dtype", None)
+    dtype = getattr(torch, name, None) if isinstance(name, str) else None
+    return dtype if isinstance(dtype, torch.dtype) and dtype.is_floating_point else None
+
+
 def pack_metadata(metadata: dict[str, Any]) -> bytes:
     return MSGPackSerializer.dumps(metadata)
 

@@ -133,6 +133,13 @@ class _ServerSession:
             self.manager.sessions_on[self.hop.peer_id] += 1
         return self.position
 
+    def _to_wire(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``hidden`` in the dtype the server computes in (its DHT record's ``dtype``), as ``rpc_forward``
+        sends it: a bfloat16 server gets 2 bytes a value on every hop, the first (fed by the client's
+        float32 embeddings) included. Unknown dtype: sent as is (the server casts on arrival)."""
+        dtype = protocol.wire_dtype(self.manager.spans.get(self.hop.peer_id))
+        return hidden if dtype is None or not hidden.is_floating_point() else hidden.to(dtype)
+
     async def step(
         self,
         hidden: torch.Tensor,
@@ -144,6 +151,7 @@ class _ServerSession:
     ) -> torch.Tensor:
         """One step; ``push_chain`` (the next hops' peer and session ids) asks the server to push its
         output on to the first of them (see ``protocol``)."""
+        hidden = self._to_wire(hidden)
         extra = {} if step_id is None else {"step_id": step_id, "push_chain": push_chain or []}
         if self.batch_group is not None:
             extra["batch_group"] = self.batch_group
