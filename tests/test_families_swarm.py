@@ -1,7 +1,9 @@
-"""Mixtral, Falcon and BLOOM served by a real 2-worker swarm, against the local 🤗 model.
+"""Mistral, Qwen2, Mixtral, Falcon and BLOOM served by a real 2-worker swarm, against the local 🤗 model
+(Llama has its own swarm tests: ``test_swarm_core``).
 
 One swarm per family, shared by its checks: the span boundary sits mid-model, so hidden states (and for
-BLOOM the ALiBi positions, for Falcon the rotary ones) cross a server hop on every step.
+BLOOM the ALiBi positions, for Falcon, Mistral and Qwen2 the rotary ones) cross a server hop on every step.
+Forward logits agree within 1e-4 in float32, greedy tokens exactly.
 """
 
 from __future__ import annotations
@@ -15,19 +17,22 @@ from transformers import AutoModelForCausalLM
 
 from swarm_client import AutoDistributedModelForCausalLM
 from swarm_client.tiny_model import make_tiny_model
-from tests.swarm_fixtures import swarm
+from swarmserve.launcher import wait_ready
+from tests.swarm_fixtures import Swarm
 
 pytestmark = pytest.mark.slow
 
 ATOL = 1e-4
 
 
-@pytest.fixture(scope="module", params=["mixtral", "falcon", "bloom"])
+@pytest.fixture(scope="module", params=["mistral", "qwen2", "mixtral", "falcon", "bloom"])
 def served(request, tmp_path_factory) -> Iterator[tuple[Any, Any]]:
-    """(distributed model over two workers holding blocks 0:2 and 2:4, local 🤗 model)."""
+    """(distributed model over two workers holding blocks 0:2 and 2:4, local 🤗 model); the workers start
+    together."""
     model_dir = str(make_tiny_model(tmp_path_factory.mktemp(request.param) / "model", family=request.param))
     local = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    with swarm(model_dir, ["0:2", "2:4"]) as s:
+    with Swarm(model_dir) as s:
+        wait_ready([s.add_worker(blocks=span, wait=False) for span in ("0:2", "2:4")], timeout=120.0)
         dist = AutoDistributedModelForCausalLM.from_pretrained(model_dir, initial_peers=[s.initial_peers])
         try:
             yield dist, local
