@@ -56,7 +56,8 @@ TOOLS = [WEATHER, TIME]
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 #: enough for MAX_PARALLEL_CALLS calls of these tools (every value bounded), so none is cut by max_tokens
 MAX_TOKENS = 400
-OPEN_WEBUI = Path(__file__).resolve().parents[2] / "shared" / "data" / "open-webui-0.12-default-chat-request.json"
+#: what Open WebUI 0.12 sent by default, captured against this gateway (request, and our answer then: a 400)
+OPEN_WEBUI = Path(__file__).parent / "data" / "open-webui-0.12-default-chat-request.json"
 
 
 def assert_call_valid(name: str, arguments: str) -> dict:
