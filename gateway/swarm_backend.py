@@ -208,11 +208,13 @@ class SwarmBackend:
             raise PeerError("the gateway's swarm client is shut down")
         if resume is not None:
             return self._resume(max_length, resume)
+        with _as_swarm_errors():
+            # a missing span is a 503 at once (opening below would wait out the failover deadline for one)
+            runtime.run(self.manager.make_route(0, self.num_blocks, cache_tokens_needed=max_length))
         inner = self.model.blocks.inference_session(max_length, batch_size=1, session_id=session_id)
         with _as_swarm_errors():
-            # the servers' streams open now, not on the first step: no room anywhere (SwarmBusyError), no
-            # server able to hold the session (SessionTooLongError) or no route (NoRouteError) are answers
-            # before any stream starts
+            # the servers' streams open now, not on the first step: no room anywhere (SwarmBusyError) or no
+            # server able to hold the session (SessionTooLongError) are answers before any stream starts
             try:
                 inner.open()
             except BaseException:
