@@ -198,21 +198,13 @@ def test_cli_like_flag(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> No
 
 
 # ----------------------------------------------------------------------------- through `swarmserve up`
-#: Not worked around: BLOOM's config.json has no ``max_position_embeddings`` (ALiBi), and the gateway
-#: (gateway/swarm_backend.py, gateway/local_backend.py) takes its context window from exactly that attribute,
-#: so ``swarmserve up`` exits with an AttributeError. Strict: once the gateway is fixed this mark must go.
-BLOOM_UP = pytest.mark.xfail(
-    strict=True, raises=RuntimeError, reason="gateway reads config.max_position_embeddings, absent in BLOOM"
-)
-
-
 def _up_likes() -> list[Any]:
     every = bool(os.environ.get("SWARMSERVE_ALL_LIKES"))
     skip = pytest.mark.skip(reason="SWARMSERVE_ALL_LIKES=1 runs it")
     params = []
     for name in FACTS:
         marks = [] if every or name in UP_DEFAULT else [skip]
-        params.append(pytest.param(name, marks=[*marks, BLOOM_UP] if name == "bloom-176b" else marks))
+        params.append(pytest.param(name, marks=marks))
     return params
 
 
