@@ -121,3 +121,6 @@ class Claim:
     keyed: bool
     record: AffinityRecord | None = None
     common: int = 0
+    #: whose conversations the record belongs to (an API key's id, or a client's identity): records of one
+    #: owner are invisible to another (``AffinityStore.claim``)
+    owner: str = ""

@@ -57,24 +57,30 @@ class AffinityStore(ABC):
     def _pfx(self, digest: str) -> str:
         return f"{self.ns}:pfx:{digest}"
 
-    def keyed_rid(self, key: str) -> str:
-        return "k:" + hashlib.blake2b(key.encode(), digest_size=16).hexdigest()
+    def keyed_rid(self, key: str, owner: str = "") -> str:
+        return "k:" + hashlib.blake2b(f"{owner}\0{key}".encode(), digest_size=16).hexdigest()
+
+    def _owner_salt(self, owner: str) -> bytes:
+        """The prefix index's salt for ``owner``: the same prompt under two owners hashes apart, so one can
+        neither resume the other's cache nor learn from ``cached_tokens`` how much of a guess it matched."""
+        return self._salt + b"\0" + owner.encode()
 
     @property
     def _ttl_ms(self) -> int:
         return max(1, int(self.ttl_s * 1000))
 
     # ------------------------------------------------------------------ the API
-    async def claim(self, prompt_ids: Sequence[int], key: str | None = None) -> Claim | None:
-        """Take the record to resume for ``prompt_ids`` (the key's own record when ``key`` is given).
+    async def claim(self, prompt_ids: Sequence[int], key: str | None = None, owner: str = "") -> Claim | None:
+        """Take the record to resume for ``prompt_ids`` (the key's own record when ``key`` is given), among
+        ``owner``'s records only.
 
         Returns a ``Claim`` whose ``record`` is None when there is nothing to resume (a miss, or the match is
         in use by a concurrent request: start a fresh session), or None when the store is unavailable (serve
         without affinity)."""
         try:
             if key is not None:
-                return await self._claim_keyed(prompt_ids, key)
-            return await self._claim_prefix(prompt_ids)
+                return await self._claim_keyed(prompt_ids, key, owner)
+            return await self._claim_prefix(prompt_ids, owner)
         except StoreUnavailable:
             return None
         except Exception:  # a corrupt record, a bug: never fail a request over an optimization
@@ -87,7 +93,7 @@ class AffinityStore(ABC):
         record = AffinityRecord(claim.rid, state, list(token_ids), replica, time.time(), claim.keyed)
         items = {self._rec(record.rid): record.to_json()}
         if not claim.keyed:
-            for digest in prefix_hashes(record.token_ids, self.block_tokens, self._salt):
+            for digest in prefix_hashes(record.token_ids, self.block_tokens, self._owner_salt(claim.owner)):
                 items[self._pfx(digest)] = record.rid
         try:
             await self._set_many(items, self._ttl_ms)
@@ -107,19 +113,19 @@ class AffinityStore(ABC):
         return True
 
     # ------------------------------------------------------------------ internals
-    async def _claim_keyed(self, prompt_ids: Sequence[int], key: str) -> Claim:
-        rid = self.keyed_rid(key)
+    async def _claim_keyed(self, prompt_ids: Sequence[int], key: str, owner: str) -> Claim:
+        rid = self.keyed_rid(key, owner)
         text = await self._getdel(self._rec(rid))
         if text is None:
-            return Claim(rid, keyed=True)
+            return Claim(rid, keyed=True, owner=owner)
         record = AffinityRecord.from_json(text)
         # the caller said "this is my conversation": resume even if little is shared (rollback is cheap and
         # keeps one server session per key instead of orphaning the old one)
-        return Claim(rid, True, record, common_prefix(record.token_ids, prompt_ids))
+        return Claim(rid, True, record, common_prefix(record.token_ids, prompt_ids), owner)
 
-    async def _claim_prefix(self, prompt_ids: Sequence[int]) -> Claim:
-        hashes = prefix_hashes(prompt_ids, self.block_tokens, self._salt)
-        fresh = Claim(f"p:{uuid.uuid4().hex}", keyed=False)
+    async def _claim_prefix(self, prompt_ids: Sequence[int], owner: str) -> Claim:
+        hashes = prefix_hashes(prompt_ids, self.block_tokens, self._owner_salt(owner))
+        fresh = Claim(f"p:{uuid.uuid4().hex}", keyed=False, owner=owner)
         if not hashes:
             return fresh
         hits = await self._mget([self._pfx(h) for h in hashes])
@@ -146,7 +152,7 @@ class AffinityStore(ABC):
             taken = AffinityRecord.from_json(taken_text)
             common = common_prefix(taken.token_ids, prompt_ids)
             if worth_taking(common, len(taken.token_ids), self.block_tokens):
-                return Claim(rid, False, taken, common)
+                return Claim(rid, False, taken, common, owner)
             await self._put_back(taken)  # rewritten since the read and no longer a match
         return fresh
 

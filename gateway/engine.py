@@ -102,18 +102,23 @@ class Engine(PromptRules):
 
     # ---------------------------------------------------------------------------------------- generation
 
-    async def start(self, specs: Sequence[ChoiceSpec], session_key: str | None = None) -> Generation:
+    async def start(
+        self, specs: Sequence[ChoiceSpec], session_key: str | None = None, owner: str = ""
+    ) -> Generation:
         """Open one session per choice; raise (nothing left open) if any cannot be opened. Choice 0 resumes
-        the cached session sharing the longest prefix with its prompt (``session_key``'s, when given)."""
-        handles = await self.capacity.admit(functools.partial(self._open_all, specs, session_key))
+        the cached session sharing the longest prefix with its prompt (``session_key``'s, when given) among
+        ``owner``'s (an API key's, a client's: nobody resumes, nor measures, someone else's cache)."""
+        handles = await self.capacity.admit(functools.partial(self._open_all, specs, session_key, owner))
         timeout = self.settings.request_timeout_s
         deadline = asyncio.get_running_loop().time() + timeout if timeout > 0 else None
         return Generation(self, list(specs), handles, deadline)
 
-    async def _open_all(self, specs: Sequence[ChoiceSpec], session_key: str | None) -> list[SessionHandle]:
+    async def _open_all(
+        self, specs: Sequence[ChoiceSpec], session_key: str | None, owner: str = ""
+    ) -> list[SessionHandle]:
         """One open session per choice, or an exception and nothing left open (a full swarm's
         ``SwarmBusyError`` sends the request to wait in ``capacity``)."""
-        reuse = await self._claim(specs[0], session_key) if specs else None
+        reuse = await self._claim(specs[0], session_key, owner) if specs else None
         handles = [SessionHandle(self.executor, reuse if i == 0 else None) for i in range(len(specs))]
         try:
             results = await asyncio.gather(
@@ -129,11 +134,11 @@ class Engine(PromptRules):
             raise
         return handles
 
-    async def _claim(self, spec: ChoiceSpec, session_key: str | None) -> Reuse | None:
+    async def _claim(self, spec: ChoiceSpec, session_key: str | None, owner: str) -> Reuse | None:
         # a store is kept only with a resumable backend; scoring the prompt feeds it token by token anyway
         if self.store is None or self.resumable is None or spec.prompt_logprobs:
             return None
-        claim = await self.store.claim(spec.prompt_ids, session_key)
+        claim = await self.store.claim(spec.prompt_ids, session_key, owner)
         return None if claim is None else Reuse(self.resumable, self.store, claim, self.replica_id)
 
     @staticmethod

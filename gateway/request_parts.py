@@ -17,6 +17,7 @@ import anyio
 from fastapi import Request
 from pydantic import BaseModel
 
+from gateway.auth import bearer_token, key_id
 from gateway.choices import ChoiceResult, Delta
 from gateway.engine import Engine
 from gateway.errors import InvalidRequestError
@@ -31,6 +32,7 @@ __all__ = [
     "CachedTokensUsage",
     "cancel_on_disconnect",
     "check_stream_options",
+    "cache_owner",
     "count_choices",
     "ignored_fields",
     "logit_bias_ids",
@@ -181,3 +183,17 @@ def ignored_fields(req: BaseModel) -> dict[str, str]:
     if len(extra) > _MAX_IGNORED_LISTED:
         listed += f",...({len(extra) - _MAX_IGNORED_LISTED} more)"
     return {IGNORED_FIELDS_HEADER: listed[:_MAX_IGNORED_HEADER]}
+
+
+def cache_owner(request: Request) -> str:
+    """Whose conversations a request may resume: its API key's id when the gateway checks keys, else the
+    bearer token it sent (hashed; unverified, but it only ever isolates its sender), else the client's
+    address. Affinity records and ``cached_tokens`` never cross owners (a shared prompt cache would let one
+    key resume another's conversation, or learn how much of a guessed prompt matched it)."""
+    state = request.scope.get("state") or {}
+    if state.get("api_key_id"):
+        return f"key:{state['api_key_id']}"
+    token = bearer_token(request.headers)
+    if token:
+        return f"token:{key_id(token)}"
+    return f"addr:{request.client.host if request.client else ''}"

@@ -34,7 +34,7 @@ from gateway.choices import ChoiceResult, ChoiceSpec
 from gateway.engine import Engine
 from gateway.errors import ContextLengthExceededError, GatewayError, InvalidRequestError, to_gateway_error
 from gateway.generation import Generation
-from gateway.request_parts import CLIENT_CLOSED, cancel_on_disconnect, session_key
+from gateway.request_parts import CLIENT_CLOSED, cache_owner, cancel_on_disconnect, session_key
 from gateway.responses_schema import (
     IncompleteDetails,
     InputTokensDetails,
@@ -190,7 +190,7 @@ async def create_response(
         message = exc.message.replace("response_format", "text.format")
         raise InvalidRequestError(message, param="text.format", code=exc.code) from None
     spec = ChoiceSpec(0, turn.prompt, turn.max_tokens, turn.sampling(grammar))
-    generation = await engine.start([spec], turn.session_key)
+    generation = await engine.start([spec], turn.session_key, cache_owner(request))
 
     if req.stream:
         return EventSourceResponse(

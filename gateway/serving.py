@@ -35,6 +35,7 @@ from gateway.openai_schema import (
 from gateway.request_parts import (
     CLIENT_CLOSED,
     CachedTokensUsage,
+    cache_owner,
     cancel_on_disconnect,
     check_stream_options,
     count_choices,
@@ -86,7 +87,7 @@ async def create_chat_completion(engine: Engine, req: ChatCompletionRequest, req
     ]
     model = engine.model_id
     completion_id = f"chatcmpl-{uuid.uuid4().hex}"
-    generation = await engine.start(specs, session_key(request, req.user))
+    generation = await engine.start(specs, session_key(request, req.user), cache_owner(request))
     route = RouteInfo.of(generation, engine.backend)  # x-swarm-route etc. (gateway/route_info.py)
 
     if req.stream:
@@ -165,7 +166,7 @@ async def create_completion(engine: Engine, req: CompletionRequest, request: Req
     prompt_tokens = sum(len(ids) for ids, _ in prompts)
     model = engine.model_id
     completion_id = f"cmpl-{uuid.uuid4().hex}"
-    generation = await engine.start(specs, session_key(request, req.user))
+    generation = await engine.start(specs, session_key(request, req.user), cache_owner(request))
     route = RouteInfo.of(generation, engine.backend)  # x-swarm-route etc. (gateway/route_info.py)
 
     if req.stream:

@@ -280,7 +280,8 @@ class Gateway:
     def client(self, **kw: Any) -> openai.OpenAI:
         kw.setdefault("timeout", REQUEST_TIMEOUT_S)
         kw.setdefault("max_retries", 0)
-        return openai.OpenAI(base_url=self.server.base_url, api_key="x", **kw)
+        kw.setdefault("api_key", "x")
+        return openai.OpenAI(base_url=self.server.base_url, **kw)
 
     def http(self) -> httpx.Client:
         return httpx.Client(base_url=self.url, timeout=REQUEST_TIMEOUT_S)

@@ -275,3 +275,26 @@ def test_local_sessions_too_short_to_find_are_not_kept(local_pair: tuple[Gateway
     assert len(backend.kept) == before  # under one 16-token block: no prompt could ever find it
     client.completions.create(model=reuse.model, prompt="Hi", max_tokens=3, temperature=0, user="short")
     assert len(backend.kept) == before + 1  # a keyed session is found by its key
+
+
+def test_cached_tokens_never_cross_api_keys(tiny_llama: str) -> None:
+    """The prompt cache is per API key: key B sending A's conversation neither resumes A's session nor
+    learns from ``cached_tokens`` how much of it matched; A still resumes its own."""
+    backend = ResumableLocal(tiny_llama)
+    gw = start_gateway(backend, replica_id="keys", api_keys=["sk-alice", "sk-bob"])
+    try:
+        messages = conversation("two-keys") + [{"role": "user", "content": QUESTIONS[0]}]
+        alice, bob = gw.client(api_key="sk-alice"), gw.client(api_key="sk-bob")
+        kw: dict[str, Any] = dict(model=gw.model, max_tokens=8, temperature=0)
+        first = alice.chat.completions.create(messages=messages, **kw).choices[0].message.content
+        follow = messages + [{"role": "assistant", "content": first}, {"role": "user", "content": QUESTIONS[1]}]
+        theirs = bob.chat.completions.create(messages=follow, **kw)
+        assert theirs.usage.prompt_tokens_details.cached_tokens == 0
+        again = bob.chat.completions.create(messages=follow, **kw)  # Bob's own record now exists: it counts
+        assert again.usage.prompt_tokens_details.cached_tokens > 0
+        mine = alice.chat.completions.create(messages=follow, **kw)
+        assert mine.usage.prompt_tokens_details.cached_tokens > 0  # Alice's turn-1 session was not taken
+        assert mine.choices[0].message.content == theirs.choices[0].message.content
+    finally:
+        gw.server.stop()
+        backend.close()

@@ -150,3 +150,18 @@ async def test_redis_store_survives_an_unreachable_redis(caplog: pytest.LogCaptu
         assert await store.claim(tokens) is None  # retried after the interval, still down: no new log line
     await store.aclose()
     assert sum("unreachable" in r.getMessage() for r in caplog.records) == 1
+
+
+async def test_store_owners_never_see_each_others_records(store_factory: Any) -> None:
+    """Two API keys (owners) sending the same prompt: neither resumes nor even finds the other's record."""
+    store = store_factory()
+    tokens = list(range(500, 548))
+    claim = await store.claim(tokens, owner="key:a")
+    assert claim is not None and claim.record is None
+    assert await store.save(claim, {"k": 1}, tokens, "r")
+    stranger = await store.claim(tokens + [1], owner="key:b")
+    assert stranger is not None and stranger.record is None and stranger.common == 0
+    keyed = await store.claim(tokens, "conversation", owner="key:b")
+    assert keyed is not None and keyed.record is None
+    mine = await store.claim(tokens + [1], owner="key:a")
+    assert mine is not None and mine.record is not None and mine.rid == claim.rid
