@@ -23,7 +23,7 @@ import asyncio
 import json
 import logging
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Collection
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -183,10 +183,12 @@ class RateLimitMiddleware:
         default_max_tokens: int,
         max_context: int,
         max_choices: int,
+        trusted_proxies: Collection[str] = (),
     ):
         self.app = app
         self.limiter = limiter
         self.counter = counter
+        self.trusted_proxies = frozenset(trusted_proxies)
         self.default_max_tokens = default_max_tokens
         self.max_context = max_context
         self.max_choices = max_choices
@@ -206,7 +208,7 @@ class RateLimitMiddleware:
                 max_context=self.max_context,
                 max_choices=self.max_choices,
             )
-        decision = await self.limiter.check(request_identity(scope), tokens)
+        decision = await self.limiter.check(request_identity(scope, self.trusted_proxies), tokens)
         if not decision.admitted:
             err = self.limiter.refusal(decision, tokens)
             logger.info("%s %s → 429 (%s)", scope.get("method"), scope.get("path"), err.message)
@@ -366,6 +368,7 @@ def install_limits(app: FastAPI, settings: GatewaySettings) -> None:
         default_max_tokens=settings.default_max_tokens,
         max_context=int(getattr(backend, "max_context", 0) or 2**31),
         max_choices=settings.max_choices,
+        trusted_proxies=settings.trusted_proxies,
     )
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=settings.max_body_bytes)
     app.add_middleware(AuthMiddleware, keys=keys, exempt_paths=settings.auth_exempt_paths)

@@ -14,7 +14,8 @@ unreachable each replica falls back to its own in-memory counters (logged once) 
 ``retry_interval_s``: limits loosen to per-replica instead of failing requests or failing open.
 
 The key is the API key id the auth middleware left (``scope["state"]["api_key_id"]``); on an open gateway,
-the bearer token's id if one was sent, else the client address.
+the client's address (behind a proxy named in ``trusted_proxies``, from its ``X-Forwarded-For``) — never an
+unverified bearer token: a made-up token per request would be a fresh budget per request.
 """
 
 from __future__ import annotations
@@ -22,14 +23,13 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 from starlette.datastructures import Headers
 from starlette.types import Scope
 
-from gateway.auth import bearer_token, key_id
 from gateway.errors import GatewayError
 from gateway.token_estimates import (
     CHAT_PATH,
@@ -58,6 +58,7 @@ __all__ = [
     "TokenCounter",
     "estimate_tokens",
     "read_tiktoken_bpe",
+    "client_address",
     "request_identity",
     "wait_seconds",
 ]
@@ -314,13 +315,24 @@ class RateLimiter:
         )
 
 
-def request_identity(scope: Scope) -> str:
-    """Whose budget a request spends (see the module docstring)."""
+def request_identity(scope: Scope, trusted_proxies: Collection[str] = ()) -> str:
+    """Whose budget a request spends (see the module docstring): a verified API key, else the client's
+    address — never an unverified bearer token, which a client could change to reset its budget."""
     key = scope.get("state", {}).get("api_key_id")
     if key:
         return f"key:{key}"
-    token = bearer_token(Headers(scope=scope))
-    if token is not None:
-        return f"key:{key_id(token)}"
+    return f"ip:{client_address(scope, trusted_proxies)}"
+
+
+def client_address(scope: Scope, trusted_proxies: Collection[str] = ()) -> str:
+    """The client's address: the peer's, or — when the peer is one of ``trusted_proxies`` — the nearest
+    address in ``X-Forwarded-For`` that is not a trusted proxy (anything further left the client wrote)."""
     client = scope.get("client")
-    return f"ip:{client[0] if client else 'unknown'}"
+    address = client[0] if client else "unknown"
+    if address not in trusted_proxies:
+        return address
+    forwarded = Headers(scope=scope).get("x-forwarded-for", "")
+    for hop in reversed([h.strip() for h in forwarded.split(",") if h.strip()]):
+        if hop not in trusted_proxies:
+            return hop[:64]
+    return address

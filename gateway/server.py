@@ -18,7 +18,7 @@ __all__ = ["BackgroundServer", "serve"]
 
 def serve(app: FastAPI, settings: GatewaySettings) -> None:
     """Serve until SIGINT/SIGTERM."""
-    uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level)
+    uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level, proxy_headers=False)
 
 
 class BackgroundServer:
@@ -36,7 +36,11 @@ class BackgroundServer:
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self._sock.bind((host, port))
         self.port: int = self._sock.getsockname()[1]
-        config = uvicorn.Config(app, log_level=log_level, lifespan="on", timeout_graceful_shutdown=5)
+        # proxy_headers off: uvicorn would otherwise believe X-Forwarded-For from any local peer; which proxies
+        # name the client is the gateway's own setting (``trusted_proxies``, gateway/ratelimit.py)
+        config = uvicorn.Config(
+            app, log_level=log_level, lifespan="on", timeout_graceful_shutdown=5, proxy_headers=False
+        )
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._run, name=f"gateway:{self.port}", daemon=True)
         self._error: BaseException | None = None

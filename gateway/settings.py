@@ -66,6 +66,9 @@ class GatewaySettings(BaseSettings):
     #: per key, on the generation routes, requests / tokens (prompt + max_tokens) per minute; 0 = no limit.
     #: Counted in ``redis_url`` when set (shared by replicas), else in this process
     rate_limit_rpm: int = Field(default=0, ge=0)
+    #: addresses of reverse proxies whose ``X-Forwarded-For`` names the client (rate limits on an open gateway
+    #: count per client address); nobody else's header is believed
+    trusted_proxies: Annotated[list[str], NoDecode] = Field(default_factory=list)
     rate_limit_tpm: int = Field(default=0, ge=0)
     #: a tiktoken ``.tiktoken`` BPE file to count tokens for the TPM limit instead of the model's tokenizer
     rate_limit_tiktoken_file: str | None = None
@@ -77,7 +80,7 @@ class GatewaySettings(BaseSettings):
     max_queued_streams: int = Field(default=32, ge=0)
     stream_queue_timeout_s: float = Field(default=30.0, ge=0)
 
-    @field_validator("cors_origins", "initial_peers", "api_keys", "auth_exempt_paths", mode="before")
+    @field_validator("cors_origins", "initial_peers", "api_keys", "auth_exempt_paths", "trusted_proxies", mode="before")
     @classmethod
     def _split_list(cls, value: Any) -> Any:
         if isinstance(value, str):

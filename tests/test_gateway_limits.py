@@ -30,6 +30,7 @@ from gateway.ratelimit import (
     ModelTokenCounter,
     RateLimiter,
     TiktokenCounter,
+    client_address,
     estimate_tokens,
     wait_seconds,
 )
@@ -268,10 +269,21 @@ def test_request_timeout_is_504_or_an_error_frame(backend: InstrumentedBackend) 
 # ------------------------------------------------------------------------------------------ rate limits
 
 
+#: keys of the replicas below, fresh per run so counters start at 0 even on a long-lived Redis (budgets
+#: follow verified keys only: on an open gateway every one of these requests would share one address)
+REPLICA_KEYS = [f"sk-{uuid.uuid4().hex}" for _ in range(5)]
+
+
 @pytest.fixture(scope="module")
 def replicas(backend: InstrumentedBackend, redis_url: str) -> Iterator[tuple[Gateway, Gateway]]:
     """Two gateways counting in one Redis: 3 requests and 200 tokens per minute per key."""
-    kw = {"redis_url": redis_url, "rate_limit_rpm": 3, "rate_limit_tpm": 200, "affinity": False}
+    kw = {
+        "redis_url": redis_url,
+        "rate_limit_rpm": 3,
+        "rate_limit_tpm": 200,
+        "affinity": False,
+        "api_keys": REPLICA_KEYS,
+    }
     one, two = start_gateway(backend, **kw), start_gateway(backend, **kw)
     yield one, two
     one.server.stop()
@@ -280,7 +292,7 @@ def replicas(backend: InstrumentedBackend, redis_url: str) -> Iterator[tuple[Gat
 
 def test_request_limit_is_shared_by_replicas_through_redis(replicas: tuple[Gateway, Gateway]) -> None:
     one, two = replicas
-    key = f"sk-{uuid.uuid4().hex}"  # fresh counters even on a long-lived Redis
+    key = REPLICA_KEYS[0]
     body = {"model": one.model, "prompt": "hi", "max_tokens": 1}
     with one.http() as h1, two.http() as h2:
         first = h1.post("/v1/completions", json=body, headers=_auth(key))
@@ -294,19 +306,19 @@ def test_request_limit_is_shared_by_replicas_through_redis(replicas: tuple[Gatew
         assert error["type"] == "requests" and "RPM" in error["message"]
         assert 1 <= int(r.headers["retry-after"]) <= 120  # sliding: up to two windows
         # another key has its own budget; other routes are not limited
-        assert h2.post("/v1/completions", json=body, headers=_auth(key + "-2")).status_code == 200
+        assert h2.post("/v1/completions", json=body, headers=_auth(REPLICA_KEYS[1])).status_code == 200
         assert h2.get("/v1/models", headers=_auth(key)).status_code == 200
         # the Responses API counts against the same budget
         responses = {"model": one.model, "input": "hi", "max_output_tokens": 1}
         assert h1.post("/v1/responses", json=responses, headers=_auth(key)).status_code == 429
-        assert h1.post("/v1/responses", json=responses, headers=_auth(key + "-3")).status_code == 200
+        assert h1.post("/v1/responses", json=responses, headers=_auth(REPLICA_KEYS[2])).status_code == 200
     with pytest.raises(openai.RateLimitError):
         _sdk(one, key).completions.create(model=one.model, prompt="hi", max_tokens=1)
 
 
 def test_token_limit_counts_prompt_and_max_tokens(replicas: tuple[Gateway, Gateway]) -> None:
     one, two = replicas
-    key = f"sk-{uuid.uuid4().hex}"
+    key = REPLICA_KEYS[3]
     with one.http() as h1, two.http() as h2:
         ok = {"model": one.model, "prompt": "hi", "max_tokens": 150}
         r = h1.post("/v1/completions", json=ok, headers=_auth(key))
@@ -316,8 +328,29 @@ def test_token_limit_counts_prompt_and_max_tokens(replicas: tuple[Gateway, Gatew
         r = h2.post("/v1/completions", json={**ok, "max_tokens": 100}, headers=_auth(key))
         error = _envelope(r, 429, "rate_limit_exceeded")
         assert "TPM" in error["message"] and "requested" in error["message"]
-        too_big = h2.post("/v1/completions", json={**ok, "max_tokens": 500}, headers=_auth(key + "x"))
+        too_big = h2.post("/v1/completions", json={**ok, "max_tokens": 500}, headers=_auth(REPLICA_KEYS[4]))
         assert "Request too large" in _envelope(too_big, 429, "rate_limit_exceeded")["message"]
+
+
+def test_made_up_tokens_do_not_reset_an_open_gateways_limit(backend: InstrumentedBackend) -> None:
+    """No keys configured: budgets follow the client's address, so a fresh bearer token per request buys
+    nothing; a trusted proxy's X-Forwarded-For names the client, anybody else's is ignored."""
+    gw = start_gateway(backend, rate_limit_rpm=2, affinity=False)
+    body = {"model": gw.model, "prompt": "hi", "max_tokens": 1}
+    try:
+        with gw.http() as http:
+            codes = [
+                http.post("/v1/completions", json=body, headers=_auth(f"sk-made-up-{i}")).status_code for i in range(3)
+            ]
+            assert codes == [200, 200, 429]
+            spoofed = {"X-Forwarded-For": "203.0.113.9", **_auth("sk-another")}
+            assert http.post("/v1/completions", json=body, headers=spoofed).status_code == 429
+    finally:
+        gw.server.stop()
+    behind = {"type": "http", "client": ("10.0.0.2", 1234), "headers": [(b"x-forwarded-for", b"6.6.6.6, 203.0.113.9")]}
+    assert client_address(behind, {"10.0.0.2"}) == "203.0.113.9"  # the address the proxy saw
+    assert client_address(behind, {"10.0.0.2", "203.0.113.9"}) == "6.6.6.6"
+    assert client_address(behind) == "10.0.0.2"  # an untrusted peer's header is not believed
 
 
 async def test_limits_fall_back_to_memory_when_redis_is_down() -> None:
@@ -395,10 +428,7 @@ def test_tiktoken_counter_from_a_local_bpe_file(tmp_path: Path) -> None:
     assert isinstance(token_counter(settings, tiny_tokenizer()), TiktokenCounter)
     assert isinstance(token_counter(GatewaySettings(), tiny_tokenizer()), ModelTokenCounter)
     body = {"prompt": "hello hello", "max_tokens": 4}
-    assert (
-        estimate_tokens("/v1/completions", body, counter, default_max_tokens=1, max_context=9, max_choices=1)
-        == 7
-    )
+    assert estimate_tokens("/v1/completions", body, counter, default_max_tokens=1, max_context=9, max_choices=1) == 7
 
 
 # ---------------------------------------------------------------------------------------------- metrics
@@ -407,9 +437,7 @@ def test_tiktoken_counter_from_a_local_bpe_file(tmp_path: Path) -> None:
 def test_metrics_count_requests_errors_latency_and_tokens(guarded: Gateway) -> None:
     before = scrape(guarded)
     client = _sdk(guarded)
-    plain = client.chat.completions.create(
-        model=guarded.model, messages=HELLO, max_tokens=4, logit_bias=NO_EOS
-    )
+    plain = client.chat.completions.create(model=guarded.model, messages=HELLO, max_tokens=4, logit_bias=NO_EOS)
     streamed = client.chat.completions.create(
         model=guarded.model,
         messages=HELLO,
@@ -438,9 +466,7 @@ def test_metrics_count_requests_errors_latency_and_tokens(guarded: Gateway) -> N
     assert delta("swarmserve_errors_total", code="not_found") == 1
     assert delta("swarmserve_time_to_first_token_seconds_count") == 2
     assert delta("swarmserve_inter_token_latency_seconds_count") == (4 - 1) + (3 - 1)
-    assert (
-        delta("swarmserve_completion_tokens_total") == plain.usage.completion_tokens + usage.completion_tokens
-    )
+    assert delta("swarmserve_completion_tokens_total") == plain.usage.completion_tokens + usage.completion_tokens
     assert delta("swarmserve_prompt_tokens_total") == plain.usage.prompt_tokens + usage.prompt_tokens
     assert delta("swarmserve_request_duration_seconds_count", route=chat) == 3
     assert sample(after, "swarmserve_active_streams") == 0
