@@ -7,10 +7,10 @@ carry ``x-request-id`` and any bug in them is still a 500 in the envelope):
     BodySizeLimitMiddleware   413 request_too_large          checked on Content-Length before reading,
                                                              and on the bytes as they arrive
     RateLimitMiddleware       429 rate_limit_exceeded        (counting in gateway/ratelimit.py)
-    StreamLimitMiddleware     503 streams_saturated          a slot per running stream; a bounded queue
+    StreamLimitMiddleware     503 streams_saturated          a slot per generation request (streamed or not); a bounded queue
                                                              waits for one (at most stream_queue_timeout_s)
 
-The rate and stream limiters need the JSON body (token estimate, ``"stream": true``) before the route
+The rate limiter needs the JSON body (its token estimate) before the route
 parses it: ``read_body`` reads it once, keeps it in ``scope["state"]`` and replays it downstream, so the
 route's own parsing (and its 400s) are unchanged.
 
@@ -264,7 +264,7 @@ class StreamSlots:
             return
         if self.queued >= self.max_queued:
             raise StreamsSaturatedError(
-                f"The server is at its limit of {self.max_active} concurrent streams and "
+                f"The server is at its limit of {self.max_active} concurrent generation requests and "
                 f"{self.max_queued} queued; retry later.",
                 retry_after_s=self.retry_after_s,
             )
@@ -281,7 +281,7 @@ class StreamSlots:
             if isinstance(exc, TimeoutError):
                 raise StreamsSaturatedError(
                     f"No stream slot freed up within {self.queue_timeout_s:g}s "
-                    f"({self.max_active} concurrent streams at most); retry later.",
+                    f"({self.max_active} concurrent generation requests at most); retry later.",
                     retry_after_s=self.retry_after_s,
                 ) from None
             raise
@@ -302,8 +302,10 @@ class StreamSlots:
 
 
 class StreamLimitMiddleware:
-    """Holds a ``StreamSlots`` slot for the whole life of a streaming generation request (until its last
-    byte is sent or its client is gone); 503 + Retry-After when none is free and the queue is full."""
+    """Holds a ``StreamSlots`` slot for the whole life of a generation request, streaming or not (until its
+    last byte is sent or its client is gone); 503 + Retry-After when none is free and the queue is full.
+    Non-streaming requests take slots too: they hold the same sessions and compute, and were a way around
+    the limit (a flood of them was unbounded concurrency)."""
 
     def __init__(self, app: ASGIApp, slots: StreamSlots):
         self.app = app
@@ -311,11 +313,6 @@ class StreamLimitMiddleware:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if self.slots.max_active <= 0 or not _is_generation(scope):
-            await self.app(scope, receive, send)
-            return
-        body, receive = await read_body(scope, receive)
-        data = _json_object(body)
-        if data is None or data.get("stream") is not True:
             await self.app(scope, receive, send)
             return
         try:
