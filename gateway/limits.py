@@ -7,8 +7,9 @@ carry ``x-request-id`` and any bug in them is still a 500 in the envelope):
     BodySizeLimitMiddleware   413 request_too_large          checked on Content-Length before reading,
                                                              and on the bytes as they arrive
     RateLimitMiddleware       429 rate_limit_exceeded        (counting in gateway/ratelimit.py)
-    StreamLimitMiddleware     503 streams_saturated          a slot per generation request (streamed or not); a bounded queue
-                                                             waits for one (at most stream_queue_timeout_s)
+    StreamLimitMiddleware     503 streams_saturated          a slot per generation request (streamed or
+                                                             not); a bounded queue waits for one (at most
+                                                             stream_queue_timeout_s)
 
 The rate limiter needs the JSON body (its token estimate) before the route
 parses it: ``read_body`` reads it once, keeps it in ``scope["state"]`` and replays it downstream, so the
