@@ -303,10 +303,12 @@ class SwarmBackend:
         with _as_swarm_errors():
             return runtime.run(self.manager.info(peer_id, timeout=timeout))
 
-    def swarm_state(self) -> dict:
-        """A fresh read of the DHT: who serves which blocks, in what state, and which blocks nobody serves."""
+    def swarm_state(self, max_age_s: float = 0.0) -> dict:
+        """Who serves which blocks, in what state, and which blocks nobody serves: a fresh read of the DHT, or
+        with ``max_age_s`` a view at most that old (``/health``: a flood of probes costs one read per
+        interval, not one each)."""
         with _as_swarm_errors():
-            spans = runtime.run(self.manager.update(force=True))
+            spans = runtime.run(self.manager.update(force=max_age_s <= 0, max_age=max_age_s))
         rows = []
         for peer_id, span in sorted(spans.items(), key=lambda kv: (kv[1].start, kv[1].end, kv[0])):
             info = span.server_info

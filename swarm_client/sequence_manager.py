@@ -170,11 +170,14 @@ class SequenceManager:
         return protocol.unpack_metadata(response.serialized_info)
 
     # ------------------------------------------------------------------ swarm view
-    async def update(self, force: bool = False) -> dict[str, RemoteSpanInfo]:
+    async def update(self, force: bool = False, max_age: float | None = None) -> dict[str, RemoteSpanInfo]:
+        """The swarm's spans, re-read from the DHT when ``force``d or older than ``max_age`` (default: the
+        config's ``update_period``). One read at a time: callers that queue behind it get its result."""
         if self._update_lock is None:
             self._update_lock = asyncio.Lock()
+        limit = self.config.update_period if max_age is None else max_age
         async with self._update_lock:
-            if not force and time.monotonic() - self._last_update < self.config.update_period and self.spans:
+            if not force and time.monotonic() - self._last_update < limit and self.spans:
                 return self.spans
             records = await asyncio.to_thread(
                 fetch_block_records, self.dht, self.config.dht_prefix, self.config.num_blocks

@@ -195,6 +195,34 @@ def test_health_and_swarm_state(swarm_gw: Gateway, the_swarm: Swarm) -> None:
     assert state["blocks"] == [[first], [first], [second], [second]]
 
 
+def test_a_health_probe_flood_costs_one_dht_read_per_interval(
+    swarm_gw: Gateway, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``/health`` and ``/v1/swarm`` answer from a view at most ``STATE_MAX_AGE_S`` old: 40 concurrent probes
+    (unauthenticated, and each used to force a DHT read under the lock routing needs) read the DHT once or
+    twice, not 40 times."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import swarm_client.sequence_manager as sm
+    from gateway.routes.health import STATE_MAX_AGE_S
+
+    reads: list[float] = []
+    real = sm.fetch_block_records
+
+    def counting(*args, **kwargs):
+        reads.append(time.monotonic())
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(sm, "fetch_block_records", counting)
+    time.sleep(STATE_MAX_AGE_S + 0.1)  # the view is stale now: the flood must refresh it, once
+    started = time.monotonic()
+    with swarm_gw.http() as http, ThreadPoolExecutor(8) as pool:
+        codes = list(pool.map(lambda i: http.get("/health" if i % 2 else "/v1/swarm").status_code, range(40)))
+    took = time.monotonic() - started
+    assert codes == [200] * 40
+    assert 1 <= len(reads) <= 2 + int(took / STATE_MAX_AGE_S), (len(reads), took)
+
+
 def test_client_disconnect_frees_every_server_cache(swarm_gw: Gateway, the_swarm: Swarm) -> None:
     """Finished requests leave their caches *detached* on the servers for reuse (engine.py); an abandoned
     one must not: its session is closed and the servers end up holding no more than before it started."""

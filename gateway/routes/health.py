@@ -7,6 +7,7 @@ blocks (an in-process model) is healthy.
 """
 
 import asyncio
+import inspect
 from typing import Any
 
 from fastapi import APIRouter
@@ -35,11 +36,23 @@ def missing_blocks(state: dict[str, Any]) -> list[int]:
     return []
 
 
+#: how old a swarm view ``/health`` and ``/v1/swarm`` may answer from (probes and pages poll them: one DHT
+#: read per interval serves them all, and never waits on the event loop)
+STATE_MAX_AGE_S = 2.0
+
+
+def _recent_state(backend: Any) -> dict[str, Any]:
+    """The backend's swarm state, at most ``STATE_MAX_AGE_S`` old where it can say so (the swarm backend)."""
+    if "max_age_s" in inspect.signature(backend.swarm_state).parameters:
+        return backend.swarm_state(max_age_s=STATE_MAX_AGE_S)
+    return backend.swarm_state()  # a backend whose view is always current (in-process, tests' fakes)
+
+
 @router.get("/health")
 async def health(backend: BackendDep, settings: SettingsDep) -> JSONResponse:
     retry = {"Retry-After": str(settings.retry_after_s)}
     try:
-        state = await asyncio.to_thread(backend.swarm_state)
+        state = await asyncio.to_thread(_recent_state, backend)
     except Exception as exc:  # a DHT that cannot be read is a swarm we cannot vouch for
         return JSONResponse(
             {"status": "unavailable", "model": backend.model_id, "error": f"{type(exc).__name__}: {exc}"},
@@ -63,7 +76,7 @@ async def health(backend: BackendDep, settings: SettingsDep) -> JSONResponse:
 async def swarm(backend: BackendDep, settings: SettingsDep) -> JSONResponse:
     """The swarm state; 503 in the error envelope when the DHT cannot be read (a bug stays a 500)."""
     try:
-        state = await asyncio.to_thread(backend.swarm_state)
+        state = await asyncio.to_thread(_recent_state, backend)
     except (SwarmError, OSError, TimeoutError) as exc:
         raise ServiceUnavailableError(
             f"Cannot read the swarm's DHT right now: {type(exc).__name__}: {exc}",
