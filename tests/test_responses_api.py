@@ -359,6 +359,18 @@ def test_follow_up_over_a_swarm_reuses_the_kv_cache(swarm_gateways: dict[str, Ga
         model=gw.model, instructions="You answer questions.", input=QUESTION, max_output_tokens=8, temperature=0
     )
     assert first.usage.input_tokens_details.cached_tokens == 0
+    events = list(
+        client.responses.create(
+            model=gw.model,
+            instructions="You answer questions.",
+            input=QUESTION,
+            max_output_tokens=8,
+            temperature=0,
+            stream=True,
+        )
+    )
+    assert events[0].type == "response.created" and events[-1].type in ("response.completed", "response.incomplete")
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == first.output_text
     second = client.responses.create(
         model=gw.model,
         instructions="You answer questions.",
