@@ -210,7 +210,8 @@ def test_completions_echo_and_legacy_logprobs(gw, client):
     assert all(x is not None for x in lp.token_logprobs[1:])
     assert lp.text_offset == sorted(lp.text_offset)
     # the generated part is scored the same way with and without echo
-    assert lp.token_logprobs[n_prompt:] == pytest.approx(plain.choices[0].logprobs.token_logprobs)
+    # scored token by token vs in one prefill: the same float32 math in other shapes (the quality bar's 1e-4)
+    assert lp.token_logprobs[n_prompt:] == pytest.approx(plain.choices[0].logprobs.token_logprobs, abs=1e-4)
     for tok, top, val in zip(lp.tokens[1:], lp.top_logprobs[1:], lp.token_logprobs[1:], strict=True):
         assert top[tok] == pytest.approx(val)
         assert 2 <= len(top) <= 3
