@@ -11,17 +11,17 @@ from __future__ import annotations
 import json
 import urllib.parse
 from collections.abc import Awaitable
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import anyio
 from fastapi import Request
 from pydantic import BaseModel
 
-from gateway.auth import bearer_token, key_id
 from gateway.choices import ChoiceResult, Delta
 from gateway.engine import Engine
 from gateway.errors import InvalidRequestError
-from gateway.openai_schema import ChatCompletionRequest, CompletionRequest, CompletionUsage, PromptTokensDetails
+from gateway.openai_schema import CompletionUsage, PromptTokensDetails
+from gateway.responses_store import owner_of
 from gateway.sampling import SamplingParams
 from gateway.streaming import ChunkBuilder
 
@@ -72,9 +72,19 @@ def stop_list(stop: str | list[str] | None) -> list[str]:
     return [s for s in ([stop] if isinstance(stop, str) else stop) if s]
 
 
-def sampling_params(
-    engine: Engine, req: ChatCompletionRequest | CompletionRequest, seed: int | None, constraint: Any = None
-) -> SamplingParams:
+class SamplingKnobs(Protocol):
+    """The sampling fields every generation request has (chat, completions, the Responses API)."""
+
+    temperature: float | None
+    top_p: float | None
+    top_k: int | None
+    min_p: float | None
+    repetition_penalty: float | None
+
+
+def sampling_params(engine: Engine, req: SamplingKnobs, seed: int | None, constraint: Any = None) -> SamplingParams:
+    """``req``'s sampling, checked; the penalties and ``logit_bias`` of chat and completions where ``req``
+    has them (the Responses API does not)."""
     top_k = req.top_k if req.top_k is not None else 0
     if top_k < -1:
         raise InvalidRequestError("top_k: must be -1 (off), 0 (off) or a positive integer.", param="top_k")
@@ -84,9 +94,9 @@ def sampling_params(
         top_k=max(top_k, 0),
         min_p=req.min_p or 0.0,
         repetition_penalty=req.repetition_penalty or 1.0,
-        frequency_penalty=req.frequency_penalty or 0.0,
-        presence_penalty=req.presence_penalty or 0.0,
-        logit_bias=logit_bias_ids(engine, req.logit_bias),
+        frequency_penalty=getattr(req, "frequency_penalty", None) or 0.0,
+        presence_penalty=getattr(req, "presence_penalty", None) or 0.0,
+        logit_bias=logit_bias_ids(engine, getattr(req, "logit_bias", None)),
         seed=seed,
         constraint=constraint,
     )
@@ -190,10 +200,7 @@ def cache_owner(request: Request) -> str:
     bearer token it sent (hashed; unverified, but it only ever isolates its sender), else the client's
     address. Affinity records and ``cached_tokens`` never cross owners (a shared prompt cache would let one
     key resume another's conversation, or learn how much of a guessed prompt matched it)."""
-    state = request.scope.get("state") or {}
-    if state.get("api_key_id"):
-        return f"key:{state['api_key_id']}"
-    token = bearer_token(request.headers)
-    if token:
-        return f"token:{key_id(token)}"
+    owner = owner_of(request)  # the same owner as stored responses (gateway/responses_store.py)
+    if owner is not None:
+        return f"key:{owner}"
     return f"addr:{request.client.host if request.client else ''}"

@@ -34,7 +34,7 @@ from gateway.choices import ChoiceResult, ChoiceSpec
 from gateway.engine import Engine
 from gateway.errors import ContextLengthExceededError, GatewayError, InvalidRequestError, to_gateway_error
 from gateway.generation import Generation
-from gateway.request_parts import CLIENT_CLOSED, cache_owner, cancel_on_disconnect, session_key
+from gateway.request_parts import CLIENT_CLOSED, cache_owner, cancel_on_disconnect, sampling_params, session_key
 from gateway.responses_schema import (
     IncompleteDetails,
     InputTokensDetails,
@@ -71,6 +71,7 @@ class _Turn:
     """One request, checked and rendered: everything both the JSON and the SSE answer need."""
 
     def __init__(self, engine: Engine, req: ResponseCreateRequest, request: Request, store: ResponsesStore):
+        self.engine = engine
         self.req = req
         self.id = f"resp_{uuid.uuid4().hex}"
         self.message_id = f"msg_{uuid.uuid4().hex}"
@@ -108,19 +109,7 @@ class _Turn:
                 del turns[droppable[0]]
 
     def sampling(self, grammar: Any) -> SamplingParams:
-        req = self.req
-        top_k = req.top_k if req.top_k is not None else 0
-        if top_k < -1:
-            raise InvalidRequestError("top_k: must be -1 (off), 0 (off) or a positive integer.", param="top_k")
-        return SamplingParams(
-            temperature=1.0 if req.temperature is None else req.temperature,
-            top_p=1.0 if req.top_p is None else req.top_p,
-            top_k=max(top_k, 0),
-            min_p=req.min_p or 0.0,
-            repetition_penalty=req.repetition_penalty or 1.0,
-            seed=choice_seed(req.seed, 0),
-            constraint=grammar,
-        )
+        return sampling_params(self.engine, self.req, choice_seed(self.req.seed, 0), grammar)
 
     def response(
         self,

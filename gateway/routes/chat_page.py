@@ -8,20 +8,14 @@ frees the servers' caches. A random ``X-Session-Id`` per conversation lets follo
 
 from __future__ import annotations
 
-import functools
-from importlib import resources
-
 from fastapi import APIRouter
 from fastapi.responses import HTMLResponse
+
+from gateway.routes.swarm_page import static_page
 
 router = APIRouter(tags=["chat"])
 
 
-@functools.lru_cache(maxsize=1)
-def page_html() -> str:
-    return resources.files("gateway").joinpath("static", "chat.html").read_text(encoding="utf-8")
-
-
 @router.get("/chat", response_class=HTMLResponse, include_in_schema=False)
 async def chat_page() -> HTMLResponse:
-    return HTMLResponse(page_html(), headers={"Cache-Control": "no-cache"})
+    return static_page("chat.html")

@@ -15,11 +15,16 @@ from fastapi.responses import HTMLResponse
 router = APIRouter(tags=["swarm"])
 
 
-@functools.lru_cache(maxsize=1)
-def page_html() -> str:
-    return resources.files("gateway").joinpath("static", "swarm.html").read_text(encoding="utf-8")
+@functools.lru_cache(maxsize=8)
+def _page_html(name: str) -> str:
+    return resources.files("gateway").joinpath("static", name).read_text(encoding="utf-8")
+
+
+def static_page(name: str) -> HTMLResponse:
+    """One of the self-contained pages in ``gateway/static`` (read once), never cached by the browser."""
+    return HTMLResponse(_page_html(name), headers={"Cache-Control": "no-cache"})
 
 
 @router.get("/swarm", response_class=HTMLResponse, include_in_schema=False)
 async def swarm_page() -> HTMLResponse:
-    return HTMLResponse(page_html(), headers={"Cache-Control": "no-cache"})
+    return static_page("swarm.html")
