@@ -335,6 +335,20 @@ def shared_gateway() -> Gateway:
 
 
 @contextmanager
+def swarm_gateway(model_path: str, initial_peers: str, **settings: Any) -> Iterator[Gateway]:
+    """A gateway over a real swarm (``SwarmBackend``, DHT view refreshed every second), closed on exit."""
+    from gateway.swarm_backend import SwarmBackend
+
+    backend = SwarmBackend(model_path, [initial_peers], update_period=1.0)
+    gw = start_gateway(backend, **settings)
+    try:
+        yield gw
+    finally:
+        gw.server.stop()
+        backend.close()
+
+
+@contextmanager
 def temporary_gateway(make_backend: Callable[[], Any], **settings: Any) -> Iterator[Gateway]:
     """A gateway of its own (not waiting for /health: these backends are unhealthy on purpose)."""
     backend = make_backend()

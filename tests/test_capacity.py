@@ -17,7 +17,6 @@ import httpx
 import pytest
 
 from gateway.capacity_queue import CapacityQueue
-from gateway.swarm_backend import SwarmBackend
 from swarm_client.dht_records import RemoteSpanInfo, ServerInfo, ServerState
 from swarm_client.errors import (
     ServerBusyError,
@@ -27,7 +26,7 @@ from swarm_client.errors import (
     error_to_wire,
 )
 from swarm_client.routing import CACHE_PENALTY, find_route
-from tests.gateway_fixtures import Gateway, start_gateway, tiny_tokenizer
+from tests.gateway_fixtures import Gateway, swarm_gateway, tiny_tokenizer
 from tests.swarm_fixtures import swarm
 
 # ------------------------------------------------------------------------------------------------ routing
@@ -178,9 +177,7 @@ def two_servers(request: pytest.FixtureRequest, tiny_llama: str) -> Iterator[Any
 
 @pytest.mark.slow
 def test_overflow_lands_on_the_server_with_room(two_servers: Any, tiny_llama: str) -> None:
-    backend = SwarmBackend(tiny_llama, [two_servers.initial_peers], update_period=1.0)
-    gw = start_gateway(backend, affinity=False)
-    try:
+    with swarm_gateway(tiny_llama, two_servers.initial_peers, affinity=False) as gw:
         results = _concurrent(gw, 8)
         assert [r.status_code for r, _ in results] == [200] * 8, [r.text for r, _ in results if r.status_code != 200]
         texts = {r.json()["choices"][0]["message"]["content"] for r, _ in results}
@@ -189,31 +186,25 @@ def test_overflow_lands_on_the_server_with_room(two_servers: Any, tiny_llama: st
         with httpx.Client(base_url=gw.url, timeout=60) as http:
             after = http.post("/v1/chat/completions", json=_body(gw))
         assert after.status_code == 200 and time.monotonic() - t0 < 5.0  # no ban outlives the congestion
-        assert not backend.manager.bans.banned()
-    finally:
-        gw.server.stop()
-        backend.close()
+        assert not gw.backend.manager.bans.banned()
 
 
 @pytest.mark.slow
 def test_one_full_server_answers_503_with_retry_after_quickly(tiny_llama: str) -> None:
     queue_s = 2.0
-    with swarm(tiny_llama, ["0:4"], "--max-sessions", "2") as s:
-        backend = SwarmBackend(tiny_llama, [s.initial_peers], update_period=1.0)
-        gw = start_gateway(backend, affinity=False, busy_queue_timeout_s=queue_s)
-        try:
-            results = _concurrent(gw, 6)
-            codes = sorted(r.status_code for r, _ in results)
-            assert set(codes) <= {200, 503} and 200 in codes, [r.text for r, _ in results]
-            for r, took in results:
-                if r.status_code == 503:
-                    error = r.json()["error"]
-                    assert error["code"] == "swarm_busy" and int(r.headers["retry-after"]) >= 1
-                    # waited its turn in line, then gave up: seconds, never the 60 s failover deadline
-                    assert took < queue_s + 15
-            with httpx.Client(base_url=gw.url, timeout=60) as http:
-                assert http.post("/v1/chat/completions", json=_body(gw)).status_code == 200
-            assert not backend.manager.bans.banned()
-        finally:
-            gw.server.stop()
-            backend.close()
+    with (
+        swarm(tiny_llama, ["0:4"], "--max-sessions", "2") as s,
+        swarm_gateway(tiny_llama, s.initial_peers, affinity=False, busy_queue_timeout_s=queue_s) as gw,
+    ):
+        results = _concurrent(gw, 6)
+        codes = sorted(r.status_code for r, _ in results)
+        assert set(codes) <= {200, 503} and 200 in codes, [r.text for r, _ in results]
+        for r, took in results:
+            if r.status_code == 503:
+                error = r.json()["error"]
+                assert error["code"] == "swarm_busy" and int(r.headers["retry-after"]) >= 1
+                # waited its turn in line, then gave up: seconds, never the 60 s failover deadline
+                assert took < queue_s + 15
+        with httpx.Client(base_url=gw.url, timeout=60) as http:
+            assert http.post("/v1/chat/completions", json=_body(gw)).status_code == 200
+        assert not gw.backend.manager.bans.banned()

@@ -27,7 +27,7 @@ from gateway.engine import eos_token_ids
 from gateway.route_info import PUSH_HEADER, ROUTE_HEADER, SPEED_HEADER
 from gateway.swarm_backend import SwarmBackend
 from tests.conftest import require_or_skip
-from tests.gateway_fixtures import Gateway, start_gateway
+from tests.gateway_fixtures import Gateway, start_gateway, swarm_gateway
 from tests.swarm_fixtures import Swarm, swarm
 
 CHROMIUM = "/usr/bin/chromium"
@@ -75,11 +75,8 @@ def the_swarm(tiny_llama: str) -> Iterator[Swarm]:
 
 @pytest.fixture(scope="module")
 def swarm_gw(the_swarm: Swarm, tiny_llama: str) -> Iterator[Gateway]:
-    backend = SwarmBackend(tiny_llama, [the_swarm.initial_peers], update_period=1.0)
-    gw = start_gateway(backend)
-    yield gw
-    gw.server.stop()
-    backend.close()
+    with swarm_gateway(tiny_llama, the_swarm.initial_peers) as gw:
+        yield gw
 
 
 @pytest.fixture(scope="module")

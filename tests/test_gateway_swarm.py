@@ -26,6 +26,7 @@ from tests.gateway_fixtures import (
     chat_prompt_ids,
     collect_stream,
     start_gateway,
+    swarm_gateway,
     text_prompt_ids,
 )
 from tests.swarm_fixtures import Swarm, swarm
@@ -45,11 +46,8 @@ def the_swarm(tiny_llama: str) -> Iterator[Swarm]:
 
 @pytest.fixture(scope="module")
 def swarm_gw(the_swarm: Swarm, tiny_llama: str) -> Iterator[Gateway]:
-    backend = SwarmBackend(tiny_llama, [the_swarm.initial_peers], update_period=1.0)
-    gw = start_gateway(backend)
-    yield gw
-    gw.server.stop()
-    backend.close()
+    with swarm_gateway(tiny_llama, the_swarm.initial_peers) as gw:
+        yield gw
 
 
 @pytest.fixture(scope="module")

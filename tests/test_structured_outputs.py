@@ -12,8 +12,7 @@ from collections.abc import Iterator
 import openai
 import pytest
 
-from gateway.swarm_backend import SwarmBackend
-from tests.gateway_fixtures import Gateway, collect_stream, shared_gateway, start_gateway
+from tests.gateway_fixtures import Gateway, collect_stream, shared_gateway, swarm_gateway
 from tests.swarm_fixtures import swarm
 
 HELLO = [{"role": "user", "content": "Describe a server of the swarm as JSON."}]
@@ -174,14 +173,11 @@ def test_bad_schema_is_a_400_naming_response_format(
 
 @pytest.fixture(scope="module")
 def swarm_gw(tiny_llama: str) -> Iterator[Gateway]:
-    with swarm(tiny_llama, ["0:2", "2:4"], "--throughput", "1000") as s:
-        backend = SwarmBackend(tiny_llama, [s.initial_peers], update_period=1.0)
-        gw = start_gateway(backend)
-        try:
-            yield gw
-        finally:
-            gw.server.stop()
-            backend.close()
+    with (
+        swarm(tiny_llama, ["0:2", "2:4"], "--throughput", "1000") as s,
+        swarm_gateway(tiny_llama, s.initial_peers) as gw,
+    ):
+        yield gw
 
 
 @pytest.mark.slow

@@ -17,8 +17,7 @@ import httpx
 import openai
 import pytest
 
-from gateway.swarm_backend import SwarmBackend
-from tests.gateway_fixtures import Gateway, chat_prompt_ids, shared_gateway, start_gateway
+from tests.gateway_fixtures import Gateway, chat_prompt_ids, shared_gateway, swarm_gateway
 from tests.swarm_fixtures import swarm
 
 WEATHER = {
@@ -249,14 +248,11 @@ def test_bad_tool_requests_are_400s_naming_the_field(gw: Gateway, patch: dict, p
 
 @pytest.fixture(scope="module")
 def swarm_gw(tiny_llama: str) -> Iterator[Gateway]:
-    with swarm(tiny_llama, ["0:2", "2:4"], "--throughput", "1000") as s:
-        backend = SwarmBackend(tiny_llama, [s.initial_peers], update_period=1.0)
-        gw = start_gateway(backend)
-        try:
-            yield gw
-        finally:
-            gw.server.stop()
-            backend.close()
+    with (
+        swarm(tiny_llama, ["0:2", "2:4"], "--throughput", "1000") as s,
+        swarm_gateway(tiny_llama, s.initial_peers) as gw,
+    ):
+        yield gw
 
 
 @pytest.mark.slow
