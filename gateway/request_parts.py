@@ -94,12 +94,19 @@ def sampling_params(engine: Engine, req: SamplingKnobs, seed: int | None, constr
         top_k=max(top_k, 0),
         min_p=req.min_p or 0.0,
         repetition_penalty=req.repetition_penalty or 1.0,
-        frequency_penalty=getattr(req, "frequency_penalty", None) or 0.0,
-        presence_penalty=getattr(req, "presence_penalty", None) or 0.0,
-        logit_bias=logit_bias_ids(engine, getattr(req, "logit_bias", None)),
+        frequency_penalty=_declared(req, "frequency_penalty") or 0.0,
+        presence_penalty=_declared(req, "presence_penalty") or 0.0,
+        logit_bias=logit_bias_ids(engine, _declared(req, "logit_bias")),
         seed=seed,
         constraint=constraint,
     )
+
+
+def _declared(req: object, name: str) -> Any:
+    """A field the request's model declares (so pydantic validated it), else None: an unknown extra field of
+    the same name (request models keep them) is never read."""
+    fields = getattr(type(req), "model_fields", {})
+    return getattr(req, name) if name in fields else None
 
 
 def logit_bias_ids(engine: Engine, bias: dict[str, float] | None) -> dict[int, float]:

@@ -113,6 +113,18 @@ def test_max_output_tokens_makes_it_incomplete(gw: Gateway, client: openai.OpenA
     assert r.output[0].status == "incomplete" and r.usage.output_tokens == 2
 
 
+def test_chat_only_knobs_sent_as_extra_fields_are_ignored_not_read(gw: Gateway) -> None:
+    """``frequency_penalty`` and ``logit_bias`` are not Responses API fields: sent anyway (unvalidated),
+    they are ignored and named in the ignored-fields log, never fed to the sampler."""
+    body = {"model": gw.model, "input": QUESTION, "max_output_tokens": 3, "temperature": 0}
+    with gw.http() as http:
+        plain = http.post("/v1/responses", json=body)
+        junk = http.post("/v1/responses", json={**body, "frequency_penalty": "junk", "logit_bias": {"x": "y"}})
+    assert plain.status_code == junk.status_code == 200, junk.text
+    text = [r.json()["output"][0]["content"][0]["text"] for r in (plain, junk)]
+    assert text[0] == text[1]
+
+
 def test_stream_events_and_text_equal_the_plain_response(gw: Gateway, client: openai.OpenAI) -> None:
     plain = client.responses.create(model=gw.model, input=QUESTION, max_output_tokens=12, temperature=0)
     events = list(
