@@ -31,6 +31,8 @@ from worker.wire import internal_error
 logger = logging.getLogger(__name__)
 #: how many recent step ids a stream remembers to drop the second copy of a step (push + client copy)
 _REMEMBERED_STEPS = 16
+#: how long each step of a ``--fault slow`` server is held
+SLOW_FAULT_SECONDS = 0.25
 
 
 class InferenceStreams(ServerPush):
@@ -219,6 +221,8 @@ class InferenceStreams(ServerPush):
             return out + 0.5 * out.std() * torch.randn_like(out)
         if self.fault == "hang":
             await asyncio.Event().wait()
+        if self.fault == "slow":  # right answers, far slower than announced (a Sybil's inflated throughput)
+            await asyncio.sleep(SLOW_FAULT_SECONDS)
         return out
 
     @staticmethod

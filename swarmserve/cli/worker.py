@@ -11,7 +11,7 @@ from swarmserve.cli.common import add_listen_flags, blocks_arg, subcommand
 DTYPES = ["auto", "float32", "bfloat16", "float16"]
 #: worker.cpu_kernels.CPU_KERNELS, repeated so ``--help`` does not import torch (a test keeps them equal)
 CPU_KERNELS = ["auto", "panels", "onednn", "torch"]
-FAULTS = "nan, hang, wrong-shape, noise"
+FAULTS = "nan, hang, wrong-shape, noise, slow"
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
