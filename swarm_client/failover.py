@@ -46,7 +46,8 @@ BUSY_POLL = 0.25
 def all_busy(manager: SequenceManager, start: int, end: int) -> bool:
     """No route over ``[start, end)`` avoids the servers that just said they are full."""
     try:
-        find_route(manager.spans, start, end, banned=manager.bans.banned() | manager.busy_peers())
+        options = manager.route_options()
+        find_route(manager.spans, start, end, **{**options, "banned": options["banned"] | manager.busy_peers()})
     except NoRouteError:
         return True
     return False
@@ -188,12 +189,10 @@ async def spot_check(
     prefix = history.read(position)
     full = x if prefix is None else torch.cat([prefix, x], 1)
     try:
+        # the checker sees the hop's inputs: the trust policy applies to it as to the hop itself
+        options = manager.route_options()
         checkers = find_route(
-            manager.spans,
-            hop.start,
-            hop.end,
-            rtt=manager.rtt,
-            banned=manager.bans.banned() | {hop.peer_id},
+            manager.spans, hop.start, hop.end, **{**options, "banned": options["banned"] | {hop.peer_id}}
         )
     except NoRouteError:
         return None  # nobody else holds these blocks: nothing to compare with
@@ -210,6 +209,8 @@ async def spot_check(
             )
     except (PeerError, RemoteError):
         return None  # the checker failed; the step itself is not suspect
+    if reference.shape != full.shape or not torch.isfinite(reference).all():
+        return None  # a broken checker proves nothing about the step
     reference = reference[:, -x.shape[1] :].to(out.dtype)
     difference = float((out - reference).norm() / reference.norm().clamp_min(1e-6))
     return SpotCheck(hop, checkers, difference)

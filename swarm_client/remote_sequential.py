@@ -33,9 +33,7 @@ from swarm_client.sequence_manager import SequenceManager
 from swarm_client.session import CALLER_ERRORS, InferenceSession
 
 
-async def _call_stream(
-    manager: SequenceManager, peer_id: str, method: str, tensors: list[torch.Tensor], **metadata
-):
+async def _call_stream(manager: SequenceManager, peer_id: str, method: str, tensors: list[torch.Tensor], **metadata):
     stub = await manager.stub(peer_id)
     messages = protocol.split_message(
         tensors,
@@ -105,10 +103,9 @@ async def _run_span(
         for hop in hops:
             dtype = _wire_dtype(manager, hop.peer_id)
             x = _to_wire(x, dtype)
-            hop_prompts = _to_wire(
-                None if prompts is None else prompts[hop.start - start : hop.end - start], dtype
-            )
+            hop_prompts = _to_wire(None if prompts is None else prompts[hop.start - start : hop.end - start], dtype)
             try:
+                t0 = time.perf_counter()
                 outputs = await _call_stream(
                     manager,
                     hop.peer_id,
@@ -126,6 +123,7 @@ async def _run_span(
                     raise PeerError(
                         f"server {hop.peer_id} returned invalid activations {tuple(out.shape)}", hop.peer_id
                     )
+                manager.record_step(hop.peer_id, hop.end - hop.start, x.shape[1], time.perf_counter() - t0)
             except CALLER_ERRORS:
                 raise
             except (PeerError, RemoteError) as e:
@@ -192,9 +190,7 @@ class _RemoteForward(torch.autograd.Function):
         end: int,
     ) -> torch.Tensor:
         wire_prompts = None if prompts is None else prompts.detach().cpu()
-        out, trace, _ = runtime.run(
-            _run_span(manager, start, end, hidden.detach().cpu(), prompts=wire_prompts)
-        )
+        out, trace, _ = runtime.run(_run_span(manager, start, end, hidden.detach().cpu(), prompts=wire_prompts))
         ctx.manager, ctx.trace, ctx.start = manager, trace, start
         ctx.hidden_meta = (hidden.device, hidden.dtype)
         ctx.prompts_meta = None if prompts is None else (prompts.shape, prompts.device, prompts.dtype)
@@ -202,9 +198,7 @@ class _RemoteForward(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_output: torch.Tensor):
-        grad, pieces = runtime.run(
-            _backward_trace(ctx.manager, ctx.trace, grad_output.detach().cpu().contiguous())
-        )
+        grad, pieces = runtime.run(_backward_trace(ctx.manager, ctx.trace, grad_output.detach().cpu().contiguous()))
         grad_prompts = None
         if ctx.prompts_meta is not None:
             shape, device, dtype = ctx.prompts_meta
@@ -244,9 +238,7 @@ class RemoteSequential(nn.Module):
 
     def _check(self, hidden: torch.Tensor, prompts: torch.Tensor | None = None) -> None:
         if hidden.ndim != 3:
-            raise InvalidInputError(
-                f"expected hidden states [batch, tokens, hidden], got {tuple(hidden.shape)}"
-            )
+            raise InvalidInputError(f"expected hidden states [batch, tokens, hidden], got {tuple(hidden.shape)}")
         if prompts is None:
             return
         if (
@@ -287,9 +279,7 @@ class RemoteSequential(nn.Module):
     def inference_session(
         self, max_length: int, batch_size: int = 1, session_id: str | None = None, keep_on_close: bool = False
     ) -> InferenceSession:
-        return InferenceSession(
-            self.manager, self.start, self.end, max_length, batch_size, session_id, keep_on_close
-        )
+        return InferenceSession(self.manager, self.start, self.end, max_length, batch_size, session_id, keep_on_close)
 
     def extra_repr(self) -> str:
         return f"blocks {self.start}:{self.end} of {self.manager.config.dht_prefix}"

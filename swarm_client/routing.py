@@ -5,11 +5,17 @@ they measured and the peers they banned. ``find_route`` is Dijkstra over block b
 means "blocks ``[start, s)`` are done"; a server holding ``[a, b)`` offers an edge ``s -> e`` for every
 ``a <= s < e <= b``, so a route may enter a span mid-way and leave it early, and one failed span can be
 replaced by several smaller ones.
+
+Hostile peers: a server's announced throughput is only a claim. ``effective_throughputs`` bounds each claim
+by a small multiple of the (low) median claim (one announcement alone cannot win every route) and by what the
+client measured of the server's real steps (``step_times``); a trust policy (``trusted``) names the only
+peers allowed to serve the first and the last block of the model, whose activations are closest to the text.
 """
 
 from __future__ import annotations
 
 import heapq
+import statistics
 import time
 from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
@@ -19,9 +25,11 @@ from swarm_client.errors import NoRouteError
 
 __all__ = [
     "CACHE_PENALTY",
+    "CLAIM_CAP_FACTOR",
     "BanList",
     "RouteHop",
     "coverage",
+    "effective_throughputs",
     "find_route",
     "format_blocks",
     "missing_blocks",
@@ -29,6 +37,9 @@ __all__ = [
 
 CACHE_PENALTY = 1000.0
 """Seconds added to a hop whose server lacks the cache room the session needs: used only as a last resort."""
+
+CLAIM_CAP_FACTOR = 4.0
+"""An announced throughput counts for at most this many times the median claim of the ONLINE servers."""
 
 _MIN_THROUGHPUT = 1e-6  # a server announcing 0 tokens/s is usable, but only when nothing else is
 _COST_DIGITS = 9  # costs equal to this many digits count as a tie (float sums of the same terms differ)
@@ -87,6 +98,35 @@ def missing_blocks(spans: Mapping[str, RemoteSpanInfo], num_blocks: int) -> list
     return [block for block, peers in enumerate(coverage(spans, num_blocks)) if not peers]
 
 
+def effective_throughputs(
+    spans: Mapping[str, RemoteSpanInfo],
+    measured: Mapping[str, float] | None = None,
+    cap_factor: float = CLAIM_CAP_FACTOR,
+) -> dict[str, float]:
+    """The throughput (tokens/s through one block) routing believes of each server.
+
+    A claim is clipped to ``cap_factor`` × the low median claim of the ONLINE servers (of two, the smaller),
+    so one server announcing 1e9 tok/s cannot draw every route before anybody measured it; where the client
+    measured the server (``measured``, tokens/s per block from real decode steps), the figure is
+    ``min(clipped claim, measured)``:
+    a server far slower than it claims loses its advantage, and one measured faster keeps its (clipped) claim.
+    """
+    measured = measured or {}
+    claims = [
+        span.server_info.throughput
+        for span in spans.values()
+        if span.state == ServerState.ONLINE and span.server_info.throughput > 0
+    ]
+    cap = cap_factor * statistics.median_low(claims) if claims else float("inf")
+    speeds = {}
+    for peer_id, span in spans.items():
+        speed = min(span.server_info.throughput, cap)
+        if peer_id in measured:
+            speed = min(speed, measured[peer_id])
+        speeds[peer_id] = speed
+    return speeds
+
+
 def find_route(
     spans: Mapping[str, RemoteSpanInfo],
     start: int,
@@ -98,10 +138,15 @@ def find_route(
     cache_tokens_needed: int = 0,
     busy: Collection[str] = (),
     load: Mapping[str, float] | None = None,
+    throughput: Mapping[str, float] | None = None,
+    trusted: Collection[str] = (),
+    num_blocks: int | None = None,
 ) -> list[RouteHop]:
     """Cheapest chain of ONLINE, unbanned servers that runs blocks ``[start, end)`` in order.
 
-    A hop on ``peer`` over ``[s, e)`` costs ``rtt[peer] + (e - s) / throughput × (1 + load)``, plus
+    A hop on ``peer`` over ``[s, e)`` costs ``rtt[peer] + (e - s) / throughput × (1 + load)``, where
+    ``throughput`` is ``throughput[peer]`` (``effective_throughputs``; default: the announced claims, clipped
+    to ``CLAIM_CAP_FACTOR`` × their median), plus
     ``CACHE_PENALTY`` if the server is full for this session: ``cache_tokens_left < cache_tokens_needed``,
     no free session slot announced, or in ``busy`` (it just answered "busy"). ``load`` is how occupied the
     server is — the announced share of its cache in use, plus ``load[peer]`` (the caller's own sessions
@@ -110,13 +155,21 @@ def find_route(
     Among equally cheap routes the one with fewer hops wins, then the one whose peer ids (and split points)
     sort first. An empty range gives ``[]``.
 
-    Raises ``NoRouteError`` naming the blocks no eligible server holds (in ``missing_blocks``).
+    Trust policy: with ``trusted`` peer ids (and the model's ``num_blocks``), the hop that runs block 0 and
+    the hop that runs block ``num_blocks - 1`` (where ``[start, end)`` holds them) must be on a trusted peer.
+
+    Raises ``NoRouteError`` naming the blocks no eligible server holds (in ``missing_blocks``), or, under a
+    trust policy, the end blocks no eligible trusted server holds.
     """
     if start < 0 or end < start:
         raise ValueError(f"invalid block range [{start}, {end})")
     if start == end:
         return []
+    trusted_set = set(trusted)
+    if trusted_set and num_blocks is None:
+        raise ValueError("a trust policy needs num_blocks (which block is the last one)")
     rtt = rtt or {}
+    speeds = effective_throughputs(spans) if throughput is None else throughput
     banned_set = set(banned)
     busy_set, load = set(busy), load or {}
     eligible = [
@@ -128,16 +181,25 @@ def find_route(
         and (span.server_info.cache_tokens_total is None or span.server_info.cache_tokens_total >= cache_tokens_needed)
     ]
 
-    def hop_cost(span: RemoteSpanInfo, num_blocks: int) -> float:
+    def hop_cost(span: RemoteSpanInfo, blocks: int) -> float:
         info = span.server_info
         occupied = load.get(span.peer_id, 0.0)
         if info.cache_tokens_total:
             occupied += 1.0 - min(info.cache_tokens_left, info.cache_tokens_total) / info.cache_tokens_total
-        compute = num_blocks / max(info.throughput, _MIN_THROUGHPUT) * (1.0 + occupied)
+        speed = speeds.get(span.peer_id, info.throughput)
+        compute = blocks / max(speed, _MIN_THROUGHPUT) * (1.0 + occupied)
         cost = max(rtt.get(span.peer_id, default_rtt), 0.0) + compute
         if info.cache_tokens_left < cache_tokens_needed or info.sessions_left == 0 or span.peer_id in busy_set:
             cost += CACHE_PENALTY
         return cost
+
+    def allowed(peer_id: str, hop_start: int, hop_end: int) -> bool:
+        """The trust policy: only trusted peers run block 0 and the model's last block."""
+        ends_touched = hop_start == 0 or hop_end == num_blocks
+        return not trusted_set or not ends_touched or peer_id in trusted_set
+
+    if trusted_set:
+        _check_trusted_ends(eligible, start, end, trusted_set, num_blocks)
 
     # Labels never tie (the path identifies the route) and strictly grow along an edge (hops + 1), so
     # popping them in order is exact Dijkstra with the tie-breaks built in.
@@ -155,7 +217,7 @@ def find_route(
             if not span.start <= node < span.end:
                 continue
             for hop_end in range(node + 1, min(span.end, end) + 1):
-                if hop_end in settled:
+                if hop_end in settled or not allowed(span.peer_id, node, hop_end):
                     continue
                 new_cost = cost + hop_cost(span, hop_end - node)
                 new_path = (*label[2], (span.peer_id, hop_end))
@@ -165,6 +227,24 @@ def find_route(
                     heapq.heappush(heap, (new_label, new_cost, hop_end))
 
     raise _no_route_error(spans, start, end, eligible, banned_set)
+
+
+def _check_trusted_ends(
+    eligible: list[RemoteSpanInfo], start: int, end: int, trusted: set[str], num_blocks: int | None
+) -> None:
+    """NoRouteError when no eligible trusted server holds block 0 or the last block (where in range)."""
+    ends = sorted({block for block in (0, (num_blocks or 0) - 1) if start <= block < end})
+    held = {block for block in ends for span in eligible if span.peer_id in trusted and span.start <= block < span.end}
+    missing = [block for block in ends if block not in held]
+    if missing:
+        shown = ", ".join(sorted(trusted)[:5]) + (", ..." if len(trusted) > 5 else "")
+        raise NoRouteError(
+            f"no route through blocks [{start}, {end}): the trust policy lets only trusted peers ({shown}) serve "
+            f"the first and the last block, and none of them that is ONLINE and unbanned holds "
+            f"{format_blocks(missing)}; start a server you trust on those blocks, or add its peer id to "
+            f"trusted_peers (--trusted-peers, SWARMSERVE_TRUSTED_PEERS)",
+            missing_blocks=missing,
+        )
 
 
 def _hops_from_path(path: tuple[tuple[str, int], ...], start: int) -> list[RouteHop]:
@@ -193,20 +273,15 @@ def _no_route_error(
             missing_blocks=[],
         )
     missing_set = set(missing)
-    holders = [
-        span for span in spans.values() if missing_set.intersection(range(max(span.start, 0), span.end))
-    ]
+    holders = [span for span in spans.values() if missing_set.intersection(range(max(span.start, 0), span.end))]
     num_banned = sum(1 for span in holders if span.peer_id in banned)
-    num_not_online = sum(
-        1 for span in holders if span.peer_id not in banned and span.state != ServerState.ONLINE
-    )
+    num_not_online = sum(1 for span in holders if span.peer_id not in banned and span.state != ServerState.ONLINE)
     detail = ""
     if num_banned or num_not_online:
         detail = f" (servers that hold some of them but are excluded: {num_banned} banned, "
         detail += f"{num_not_online} not ONLINE)"
     return NoRouteError(
-        f"no route through blocks [{start}, {end}): no ONLINE, unbanned server holds "
-        f"{format_blocks(missing)}{detail}",
+        f"no route through blocks [{start}, {end}): no ONLINE, unbanned server holds {format_blocks(missing)}{detail}",
         missing_blocks=missing,
     )
 

@@ -25,10 +25,14 @@ from swarm_client.dht_records import (
 )
 from swarm_client.errors import NoRouteError, PeerError, PeerTimeout, SessionTooLongError
 from swarm_client.protocol import MAX_PIPELINE_GROUPS
-from swarm_client.routing import BanList, RouteHop, find_route, missing_blocks
+from swarm_client.routing import CLAIM_CAP_FACTOR, BanList, RouteHop, effective_throughputs, find_route, missing_blocks
 from swarm_client.step_bundles import StepBundler
+from swarm_client.step_times import StepTimes
 
 logger = logging.getLogger(__name__)
+
+#: default ``ClientConfig.spot_check_rate`` (its cost: load_tests/results/spot-check-cost-2026-12-06.json)
+DEFAULT_SPOT_CHECK_RATE = 0.03
 
 #: ``ClientConfig.pipeline_groups`` value: one group per server of each session's route
 AUTO_GROUPS = "auto"
@@ -61,8 +65,9 @@ class ClientConfig:
     ping_timeout: float = 3.0
     #: a step silent for this long triggers a liveness ping of its server (see _ServerSession)
     probe_after: float = 1.0
-    #: fraction of inference steps re-run on a second server to catch servers returning wrong activations
-    spot_check_rate: float = 0.0
+    #: fraction of inference steps re-run on a second server of the same blocks (where one exists) to catch
+    #: servers returning wrong activations; load_tests/spot_check_cost.py measures what it costs
+    spot_check_rate: float = DEFAULT_SPOT_CHECK_RATE
     #: relative L2 difference above which a spot-checked server is considered wrong (bfloat16 servers ≈ 1e-2)
     spot_check_tolerance: float = 5e-2
     compression: str = "none"
@@ -84,8 +89,33 @@ class ClientConfig:
     #: how long opening a span keeps retrying while every server of it is busy, before ``SwarmBusyError``
     #: (the gateway queues the request itself; a library caller may wait longer)
     busy_wait: float = 3.0
+    #: trust policy: peer ids allowed to serve the first and the last block (their activations are closest to
+    #: the text); empty: any server may. A list, or one comma-separated string
+    trusted_peers: list[str] = field(default_factory=list)
+    #: an announced throughput counts for at most this many times the median claim (``routing``)
+    throughput_cap_factor: float = CLAIM_CAP_FACTOR
     extra: dict = field(default_factory=dict)
 
+    def __post_init__(self) -> None:
+        self.trusted_peers = parse_peer_ids(self.trusted_peers)
+
+
+def parse_peer_ids(value: str | list[str] | tuple[str, ...] | None) -> list[str]:
+    """Peer ids from a list and/or comma- or space-separated strings, duplicates dropped, order kept."""
+    if value is None:
+        return []
+    items = [value] if isinstance(value, str) else list(value)
+    ids: list[str] = []
+    for item in items:
+        for part in str(item).replace(",", " ").split():
+            if part not in ids:
+                ids.append(part)
+    return ids
+
+
+#: steps of at most this many tokens per row are timed for ``StepTimes`` (decode steps: comparable with the
+#: decode-step throughput servers announce; a prefill's time says little about a server's decode speed)
+TIMED_STEP_TOKENS = 1
 
 #: routing cost of each of this client's own open sessions on a server, as a share of its compute cost: a
 #: gateway spreads its sessions over the servers of a span instead of piling them onto the fastest one
@@ -98,9 +128,7 @@ class SequenceManager:
         self.config = config
         if dht is None:  # validators: signed records are verified (and unwrapped) on every read
             validators = record_validators(config.dht_prefix, config.num_blocks)
-            dht = DHT(
-                initial_peers=config.initial_peers, client_mode=True, start=True, record_validators=validators
-            )
+            dht = DHT(initial_peers=config.initial_peers, client_mode=True, start=True, record_validators=validators)
             mark_validated(dht)
             self._owns_dht = True
         else:
@@ -118,6 +146,38 @@ class SequenceManager:
         self._busy_until: dict[str, float] = {}
         #: this client's open server sessions per peer (routing load; announcements lag behind)
         self.sessions_on: Counter[str] = Counter()
+        #: seconds per block of this client's own decode steps, per peer (routing believes these over claims)
+        self.step_times = StepTimes()
+
+    @property
+    def trusted_peers(self) -> list[str]:
+        return self.config.trusted_peers
+
+    def record_step(self, peer_id: str, blocks: int, tokens: int, seconds: float) -> None:
+        """A step of ``tokens`` tokens per row over ``blocks`` blocks on ``peer_id`` answered after ``seconds``.
+        Decode steps only; the peer's measured RTT is taken off (routing adds it apart), down to a quarter
+        of the step at most, since one ping is a rough figure."""
+        if tokens > TIMED_STEP_TOKENS:
+            return
+        compute = max(seconds - self.rtt.get(peer_id, 0.0), seconds / 4)
+        self.step_times.record(peer_id, blocks, compute)
+
+    def effective_throughputs(self) -> dict[str, float]:
+        """What routing believes of each known server's tokens/s per block (``routing.effective_throughputs``)."""
+        return effective_throughputs(self.spans, self.step_times.throughputs(), self.config.throughput_cap_factor)
+
+    def route_options(self, spans: dict[str, RemoteSpanInfo] | None = None) -> dict:
+        """``find_route`` keywords every route of this client uses: RTTs, bans, believed throughputs and the
+        trust policy (so replacements and spot checkers honour it too)."""
+        spans = self.spans if spans is None else spans
+        speeds = effective_throughputs(spans, self.step_times.throughputs(), self.config.throughput_cap_factor)
+        return {
+            "rtt": self.rtt,
+            "banned": self.bans.banned(),
+            "throughput": speeds,
+            "trusted": self.config.trusted_peers,
+            "num_blocks": self.config.num_blocks,
+        }
 
     @property
     def groups_follow_route(self) -> bool:
@@ -206,9 +266,7 @@ class SequenceManager:
         for attempt in range(2):
             spans = await self.update(force=attempt > 0)
             load = {peer: LOCAL_SESSION_LOAD * n for peer, n in self.sessions_on.items() if n > 0}
-            route = functools.partial(
-                find_route, spans, start, end, rtt=self.rtt, banned=self.bans.banned(), load=load
-            )
+            route = functools.partial(find_route, spans, start, end, load=load, **self.route_options(spans))
             try:
                 return route(cache_tokens_needed=cache_tokens_needed, busy=self.busy_peers())
             except NoRouteError:

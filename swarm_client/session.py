@@ -196,9 +196,11 @@ class InferenceSession:
             hop = self._hops[index]
             chain = [{"peer_id": h.hop.peer_id, "session_id": h.session_id} for h in self._hops[index + 1 :]]
             try:
+                t0 = time.perf_counter()
                 out = await hop.step(
                     x, position, self.manager.config.step_timeout, output_hidden_states, step_id, chain
                 )
+                self.manager.record_step(hop.hop.peer_id, hop.hop.length, x.shape[1], time.perf_counter() - t0)
                 if not output_hidden_states:
                     await self._spot_check(index, hop.hop, x, out, position)
             except CALLER_ERRORS:
@@ -299,6 +301,7 @@ class InferenceSession:
             keep_on_close,
         )
         position = int(state["position"])
+        _check_trusted(manager, state["hops"])
         session._deal_group(len(state["hops"]))
         hops = [
             _ServerSession(
@@ -344,3 +347,15 @@ class InferenceSession:
     @property
     def route(self) -> list[RouteHop]:
         return [h.hop for h in self._hops]
+
+
+def _check_trusted(manager: SequenceManager, hops: list[dict]) -> None:
+    """A session to resume must obey this client's trust policy (it may come from another replica's snapshot):
+    else ``SessionNotFoundError``, and the caller starts a fresh session on a route that does."""
+    trusted = set(manager.trusted_peers)
+    last = manager.config.num_blocks
+    for hop in hops if trusted else ():
+        if (hop["start"] == 0 or hop["end"] == last) and hop["peer_id"] not in trusted:
+            raise SessionNotFoundError(
+                f"the session's server {hop['peer_id']} (blocks {hop['start']}:{hop['end']}) is not a trusted peer"
+            )

@@ -8,9 +8,11 @@ from swarm_client.dht_records import RemoteSpanInfo, ServerInfo, ServerState
 from swarm_client.errors import NoRouteError
 from swarm_client.routing import (
     CACHE_PENALTY,
+    CLAIM_CAP_FACTOR,
     BanList,
     RouteHop,
     coverage,
+    effective_throughputs,
     find_route,
     format_blocks,
     missing_blocks,
@@ -231,9 +233,7 @@ def test_no_route_empty_swarm():
 
 
 def test_coverage_lists_online_peers_sorted():
-    spans = swarm(
-        span("B", 0, 2), span("A", 1, 3), span("J", 0, 3, state=ServerState.JOINING), span("O", 2, 3)
-    )
+    spans = swarm(span("B", 0, 2), span("A", 1, 3), span("J", 0, 3, state=ServerState.JOINING), span("O", 2, 3))
     assert coverage(spans, 4) == [["B"], ["A", "B"], ["A", "O"], []]
 
 
@@ -345,3 +345,70 @@ def test_banlist_feeds_find_route():
     bans.ban("A", now=0.0)
     assert find_route(spans, 0, 4, banned=bans.banned(now=0.5)) == [RouteHop("B", 0, 4)]
     assert find_route(spans, 0, 4, banned=bans.banned(now=1.5)) == [RouteHop("A", 0, 4)]
+
+
+# --- claimed vs measured throughput ---------------------------------------------------------------------
+
+
+def test_claims_are_capped_at_a_multiple_of_the_median_claim():
+    spans = swarm(span("A", 0, 4, throughput=100), span("B", 0, 4, throughput=120), span("S", 0, 4, throughput=1e9))
+    speeds = effective_throughputs(spans)
+    assert speeds == {"A": 100, "B": 120, "S": CLAIM_CAP_FACTOR * 120}
+
+
+def test_measurement_below_the_claim_wins_and_above_it_changes_nothing():
+    spans = swarm(span("A", 0, 4, throughput=100), span("S", 0, 4, throughput=400))
+    speeds = effective_throughputs(spans, measured={"S": 8.0, "A": 5000.0})
+    assert speeds == {"A": 100, "S": 8.0}
+
+
+def test_one_huge_claim_no_longer_outweighs_load():
+    """Uncapped, 1e9 tok/s makes a server's load irrelevant: every session would pile onto it."""
+    spans = swarm(span("honest", 0, 4), span("sybil", 0, 4, throughput=1e9))
+    load = {"sybil": 5.0}  # twenty of this client's sessions already there
+    assert find_route(spans, 0, 4, load=load, throughput={"honest": 100, "sybil": 1e9}) == [RouteHop("sybil", 0, 4)]
+    assert find_route(spans, 0, 4, load=load) == [RouteHop("honest", 0, 4)]
+    # unloaded, the (capped) claim still draws the route: it is measured before it is believed less
+    assert find_route(spans, 0, 4) == [RouteHop("sybil", 0, 4)]
+
+
+def test_measured_slow_server_loses_its_routes():
+    spans = swarm(span("honest", 0, 4), span("sybil", 0, 4, throughput=1e9))
+    speeds = effective_throughputs(spans, measured={"sybil": 16.0})
+    assert find_route(spans, 0, 4, throughput=speeds) == [RouteHop("honest", 0, 4)]
+
+
+# --- trust policy ---------------------------------------------------------------------------------------
+
+
+def test_trusted_peers_serve_the_first_and_the_last_block():
+    spans = swarm(span("T", 0, 6, throughput=10), span("F1", 0, 3, throughput=1000), span("F2", 3, 6, throughput=1000))
+    assert [h.peer_id for h in find_route(spans, 0, 6)] == ["F1", "F2"]
+    route = find_route(spans, 0, 6, trusted=["T"], num_blocks=6)
+    assert route[0].peer_id == "T" and route[-1].peer_id == "T"
+    assert route[0].start == 0 and route[-1].end == 6
+
+
+def test_trust_policy_leaves_the_middle_to_anyone():
+    spans = swarm(span("T", 0, 6, throughput=1), span("F", 0, 6, throughput=1000))
+    route = find_route(spans, 0, 6, trusted=["T"], num_blocks=6, default_rtt=0.0)
+    assert route == [RouteHop("T", 0, 1), RouteHop("F", 1, 5), RouteHop("T", 5, 6)]
+    # a sub-range that touches neither end is unrestricted
+    assert find_route(spans, 1, 5, trusted=["T"], num_blocks=6) == [RouteHop("F", 1, 5)]
+    # one that starts mid-model and runs to the end must end on a trusted peer
+    assert find_route(spans, 3, 6, trusted=["T"], num_blocks=6, default_rtt=0.0)[-1].peer_id == "T"
+
+
+def test_no_trusted_server_for_an_end_block_says_what_to_do():
+    spans = swarm(span("T", 0, 3), span("U", 3, 6))
+    with pytest.raises(NoRouteError, match="block 5.*trusted_peers") as info:
+        find_route(spans, 0, 6, trusted=["T"], num_blocks=6)
+    assert info.value.missing_blocks == [5]
+    with pytest.raises(NoRouteError, match="blocks 0, 5") as info:
+        find_route(spans, 0, 6, trusted=["T"], num_blocks=6, banned={"T"})
+    assert info.value.missing_blocks == [0, 5]
+
+
+def test_trust_policy_needs_num_blocks():
+    with pytest.raises(ValueError, match="num_blocks"):
+        find_route(swarm(span("T", 0, 2)), 0, 2, trusted=["T"])
