@@ -51,6 +51,9 @@ class GatewaySettings(BaseSettings):
     #: how the served model writes tool calls (gateway/tool_formats.py); auto: read from its chat template
     tool_format: Literal["auto", "hermes", "llama3_json", "mistral", "prompt"] = "auto"
     initial_peers: Annotated[list[str], NoDecode] = Field(default_factory=list)
+    #: trust policy: peer ids allowed to serve the model's first and last block, whose activations are closest
+    #: to the text (``ClientConfig.trusted_peers``); empty: any server may
+    trusted_peers: Annotated[list[str], NoDecode] = Field(default_factory=list)
     log_level: str = "info"
 
     # access control and limits (gateway/auth.py, gateway/ratelimit.py, gateway/limits.py)
@@ -60,9 +63,7 @@ class GatewaySettings(BaseSettings):
     api_keys_file: str | None = None
     #: paths served without a key (``/prefix*`` for a prefix); the chat page is static (its requests send the
     #: key the user types), so a browser can open it
-    auth_exempt_paths: Annotated[list[str], NoDecode] = Field(
-        default_factory=lambda: ["/health", "/metrics", "/chat"]
-    )
+    auth_exempt_paths: Annotated[list[str], NoDecode] = Field(default_factory=lambda: ["/health", "/metrics", "/chat"])
     #: per key, on the generation routes, requests / tokens (prompt + max_tokens) per minute; 0 = no limit.
     #: Counted in ``redis_url`` when set (shared by replicas), else in this process
     rate_limit_rpm: int = Field(default=0, ge=0)
@@ -80,7 +81,15 @@ class GatewaySettings(BaseSettings):
     max_queued_streams: int = Field(default=32, ge=0)
     stream_queue_timeout_s: float = Field(default=30.0, ge=0)
 
-    @field_validator("cors_origins", "initial_peers", "api_keys", "auth_exempt_paths", "trusted_proxies", mode="before")
+    @field_validator(
+        "cors_origins",
+        "initial_peers",
+        "api_keys",
+        "auth_exempt_paths",
+        "trusted_proxies",
+        "trusted_peers",
+        mode="before",
+    )
     @classmethod
     def _split_list(cls, value: Any) -> Any:
         if isinstance(value, str):

@@ -64,9 +64,7 @@ def _as_swarm_errors() -> Iterator[None]:
 class SwarmSession:
     """One sequence decoded over the swarm. Not thread-safe: one call at a time (the engine guarantees it)."""
 
-    def __init__(
-        self, backend: SwarmBackend, inner: InferenceSession, max_length: int, session_id: str | None
-    ):
+    def __init__(self, backend: SwarmBackend, inner: InferenceSession, max_length: int, session_id: str | None):
         self.backend = backend
         self.inner = inner
         self.max_length = max_length
@@ -100,9 +98,7 @@ class SwarmSession:
         if not token_ids:
             raise ValueError("step() needs at least one token")
         if self.position + len(token_ids) > self.max_length:
-            raise ValueError(
-                f"session max_length {self.max_length} exceeded ({self.position} + {len(token_ids)})"
-            )
+            raise ValueError(f"session max_length {self.max_length} exceeded ({self.position} + {len(token_ids)})")
         input_ids = torch.tensor([token_ids], dtype=torch.long)  # [1, T]
         with torch.inference_mode():
             return self.backend.model.head.embed(input_ids).float()
@@ -306,9 +302,13 @@ class SwarmBackend:
     def swarm_state(self, max_age_s: float = 0.0) -> dict:
         """Who serves which blocks, in what state, and which blocks nobody serves: a fresh read of the DHT, or
         with ``max_age_s`` a view at most that old (``/health``: a flood of probes costs one read per
-        interval, not one each)."""
+        interval, not one each). Also the trust policy (``trusted_peers``, which blocks it covers), each
+        server's ``trusted`` mark, and its throughput as claimed, as measured here and as routing believes it."""
         with _as_swarm_errors():
             spans = runtime.run(self.manager.update(force=max_age_s <= 0, max_age=max_age_s))
+        trusted = list(self.manager.trusted_peers)
+        measured = self.manager.step_times.throughputs()
+        believed = self.manager.effective_throughputs()
         rows = []
         for peer_id, span in sorted(spans.items(), key=lambda kv: (kv[1].start, kv[1].end, kv[0])):
             info = span.server_info
@@ -319,8 +319,12 @@ class SwarmBackend:
                     "end": span.end,
                     "state": ServerState(info.state).name,
                     "throughput": round(float(info.throughput), 3),
+                    # what this client measured of its decode steps, and what routing believes (claim capped)
+                    "measured_throughput": round(measured[peer_id], 3) if peer_id in measured else None,
+                    "routing_throughput": round(believed.get(peer_id, float(info.throughput)), 3),
                     "cache_tokens_left": int(info.cache_tokens_left),
                     "public_name": info.public_name,
+                    "trusted": peer_id in trusted,
                 }
             )
         return {
@@ -332,6 +336,14 @@ class SwarmBackend:
             "spans": rows,
             "blocks": coverage(spans, self.num_blocks),
             "open_sessions": self.open_sessions,
+            "trust_policy": {
+                "trusted_peers": trusted,
+                "applies_to": (
+                    f"blocks 0 and {self.num_blocks - 1}: the first and the last block of every route"
+                    if trusted
+                    else "nothing: any server may serve any block"
+                ),
+            },
         }
 
     def close(self) -> None:

@@ -51,10 +51,27 @@ def add_client_flags(p: argparse.ArgumentParser) -> None:
         help="send the steps of all sessions bound for one server as one message per hop, where the server "
         "supports it (measured neutral to +30 %% on one machine; default: one stream per session)",
     )
+    p.add_argument(
+        "--trusted-peers",
+        default=None,
+        metavar="PEER,PEER",
+        help="trust policy: comma-separated peer ids of the only servers allowed to run the model's first and "
+        "last block, which see the activations closest to the text (also: SWARMSERVE_TRUSTED_PEERS; "
+        "default: any server)",
+    )
 
 
-def client_options(args: argparse.Namespace) -> dict[str, Any]:
-    return {"pipeline_groups": args.pipeline_groups, "step_bundles": args.step_bundles}
+def trust_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """The ``GatewaySettings`` trust-policy field, where the flag is given (else the env / default)."""
+    return {} if args.trusted_peers is None else {"trusted_peers": args.trusted_peers}
+
+
+def client_options(args: argparse.Namespace, settings: Any = None) -> dict[str, Any]:
+    """``ClientConfig`` options from the flags, and the trust policy of ``settings`` (flag, env or default)."""
+    options = {"pipeline_groups": args.pipeline_groups, "step_bundles": args.step_bundles}
+    if settings is not None and settings.trusted_peers:
+        options["trusted_peers"] = list(settings.trusted_peers)
+    return options
 
 
 def add_limit_flags(p: argparse.ArgumentParser) -> None:
@@ -96,9 +113,10 @@ def run(args: argparse.Namespace, rest: list[str]) -> int:
         redis_url=args.redis_url,
         initial_peers=parse_initial_peers(args.initial_peers),
         **limit_settings(args),
+        **trust_settings(args),
     )
     cfg = GatewayConfig(
-        settings, model_id=args.model_id, dht_prefix=args.dht_prefix, client_options=client_options(args)
+        settings, model_id=args.model_id, dht_prefix=args.dht_prefix, client_options=client_options(args, settings)
     )
     with stop_on_signals() as stop:
         return run_gateway(cfg, stop)

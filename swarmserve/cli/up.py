@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 from swarmserve.cli.common import DEFAULT_MODEL, add_listen_flags, require_gateway_extra, stop_on_signals, subcommand
-from swarmserve.cli.gateway import add_client_flags, add_limit_flags, client_options, limit_settings
+from swarmserve.cli.gateway import add_client_flags, add_limit_flags, client_options, limit_settings, trust_settings
 from swarmserve.cli.worker import DTYPES
 
 UP_PREFIX = "swarmserve up:"
@@ -142,9 +142,16 @@ def _serve(args: argparse.Namespace, swarm, stop) -> int:
     elif groups != AUTO_GROUPS and groups > 1:
         say(f"sessions dealt into {groups} pipeline groups (--pipeline-groups)")
     settings = GatewaySettings(
-        model=args.model, host=args.host, port=args.port, initial_peers=swarm.maddrs, **limit_settings(args)
+        model=args.model,
+        host=args.host,
+        port=args.port,
+        initial_peers=swarm.maddrs,
+        **limit_settings(args),
+        **trust_settings(args),
     )
-    cfg = GatewayConfig(settings, dht_prefix=swarm.prefix, client_options=client_options(args))
+    if settings.trusted_peers:
+        say(f"trust policy: only {', '.join(settings.trusted_peers)} may serve the first and the last block")
+    cfg = GatewayConfig(settings, dht_prefix=swarm.prefix, client_options=client_options(args, settings))
     with serving_gateway(cfg, dht=swarm.dht, log_level="warning") as (server, _backend):
         served_name = Path(str(args.model).rstrip("/")).name
         say(f"gateway ready; OpenAI base URL: {server.base_url}  (model: {served_name!r})")

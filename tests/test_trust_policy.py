@@ -1,0 +1,99 @@
+"""Trust policy: only named peers serve the first and the last block (they see the activations closest to the
+text) — over real workers, through the gateway's backend, and in the command line's settings."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+import torch
+
+from swarm_client import NoRouteError, runtime
+from tests.swarm_fixtures import Swarm
+
+PROMPT = torch.tensor([[3, 14, 15, 92, 65]])
+NEW_TOKENS = 6
+
+
+def test_trusted_peers_flag_and_env_reach_the_client_options(monkeypatch):
+    from gateway.settings import GatewaySettings
+    from swarmserve.cli.gateway import add_client_flags, client_options, trust_settings
+
+    parser = argparse.ArgumentParser()
+    add_client_flags(parser)
+    monkeypatch.setenv("SWARMSERVE_TRUSTED_PEERS", "QmEnvA, QmEnvB")
+    args = parser.parse_args([])
+    assert client_options(args, GatewaySettings(**trust_settings(args)))["trusted_peers"] == ["QmEnvA", "QmEnvB"]
+    args = parser.parse_args(["--trusted-peers", "QmFlag"])  # the flag wins over the environment
+    assert client_options(args, GatewaySettings(**trust_settings(args)))["trusted_peers"] == ["QmFlag"]
+    monkeypatch.delenv("SWARMSERVE_TRUSTED_PEERS")
+    args = parser.parse_args([])
+    assert "trusted_peers" not in client_options(args, GatewaySettings(**trust_settings(args)))
+
+
+def greedy(model) -> tuple[list[int], list]:
+    tokens = []
+    with model.inference_session(max_length=PROMPT.shape[1] + NEW_TOKENS) as session:
+        logits = model(PROMPT, session=session).logits
+        for step in range(NEW_TOKENS):
+            token = logits[:, -1].argmax(-1, keepdim=True)
+            tokens.append(int(token))
+            if step + 1 < NEW_TOKENS:
+                logits = model(token, session=session).logits
+        return tokens, session.route
+
+
+@pytest.mark.slow
+def test_every_route_starts_and_ends_on_the_trusted_peer(tiny_llama, local_llama):
+    from gateway.swarm_backend import SwarmBackend
+
+    reference = local_llama.generate(PROMPT, max_new_tokens=NEW_TOKENS, do_sample=False)[0, PROMPT.shape[1] :]
+    s = Swarm(tiny_llama)
+    backends = []
+    try:
+        # the trusted server holds everything but claims to be slow; the untrusted ones split the model, fast
+        trusted = s.add_worker("--throughput", "10", blocks="0:4").peer_id
+        first = s.add_worker("--throughput", "1000", blocks="0:2").peer_id
+        second = s.add_worker("--throughput", "1000", blocks="2:4").peer_id
+        open_backend = SwarmBackend(tiny_llama, [s.initial_peers], spot_check_rate=0.0)
+        backends.append(open_backend)
+        backend = SwarmBackend(tiny_llama, [s.initial_peers], trusted_peers=[trusted], spot_check_rate=0.0)
+        backends.append(backend)
+        for b in backends:
+            runtime.run(b.manager.update(force=True))
+            b.manager.rtt.update(dict.fromkeys((trusted, first, second), 0.001))  # equal RTTs: deterministic
+        # without a policy the fast untrusted servers take the whole route
+        _, route = greedy(open_backend.model)
+        assert [h.peer_id for h in route] == [first, second]
+
+        routes = []
+        for _ in range(5):
+            tokens, route = greedy(backend.model)
+            assert tokens == reference.tolist()
+            routes.append(route)
+        for route in routes:
+            assert route[0].peer_id == trusted and route[0].start == 0, route
+            assert route[-1].peer_id == trusted and route[-1].end == 4, route
+        # the middle blocks are nobody's secret: the fast servers still run them
+        assert {h.peer_id for route in routes for h in route[1:-1]} <= {first, second}
+        assert len(routes[0]) > 2
+
+        state = backend.swarm_state()
+        assert state["trust_policy"]["trusted_peers"] == [trusted]
+        assert "blocks 0 and 3" in state["trust_policy"]["applies_to"]
+        assert {row["peer_id"]: row["trusted"] for row in state["spans"]} == {
+            trusted: True,
+            first: False,
+            second: False,
+        }
+        assert open_backend.swarm_state()["trust_policy"]["trusted_peers"] == []
+
+        # with the trusted peer out of the picture, nothing else may take the ends: a clear NoRouteError
+        backend.manager.ban(trusted, "test: the trusted server failed")
+        with pytest.raises(NoRouteError, match="trusted_peers") as info:
+            runtime.run(backend.manager.make_route(0, 4))
+        assert info.value.missing_blocks == [0, 3]
+    finally:
+        for b in backends:
+            b.close()
+        s.close()
