@@ -34,6 +34,7 @@ from gateway.routes import ROUTERS, chat_page, swarm_page
 from gateway.routes.docs import install_docs
 from gateway.sessions import AffinityStore, create_store
 from gateway.settings import GatewaySettings
+from gateway.swarm_view import SwarmView
 
 logger = logging.getLogger(__name__)
 
@@ -86,6 +87,7 @@ def create_app(backend: ModelBackend, settings: GatewaySettings | None = None) -
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         yield
         app.state.engine.close()
+        app.state.swarm_view.close()
         if app.state.affinity is not None:
             await app.state.affinity.aclose()
 
@@ -100,6 +102,7 @@ def create_app(backend: ModelBackend, settings: GatewaySettings | None = None) -
     app.state.settings = settings
     app.state.affinity = _affinity_store(backend, settings)
     app.state.engine = Engine(backend, settings, app.state.affinity)
+    app.state.swarm_view = SwarmView(backend)  # /health, /v1/swarm: read off the loop, once per flood
     app.state.started_at = int(time.time())
     for router in ROUTERS:
         app.include_router(router)

@@ -11,9 +11,10 @@ sessions across requests.
 
 Threading: every backend call (open/step/close) and the sampling that follows a step run in a worker
 thread — ``asyncio.to_thread``-style, but in the engine's own pool of ``settings.backend_threads``, since a
-swarm step blocks on the network and the loop's default pool has only ``cpu_count + 4`` threads. The
-tokenizer is used on the event loop only. With a ``BatchingBackend``, the decode steps of concurrent
-choices go out together (gateway/decode_batch.py).
+swarm step blocks on the network and the loop's default pool has only ``cpu_count + 4`` threads. Prompts
+are rendered and tokenized on one more thread, ``tokenize`` (gateway/tokenize_thread.py, with its own copy
+of the tokenizer); ``tokenizer`` itself turns the tokens back into text on the event loop. With a
+``BatchingBackend``, the decode steps of concurrent choices go out together (gateway/decode_batch.py).
 
 Prefix reuse (an affinity store and a ``ResumableBackend``): ``start`` claims the cached session sharing the
 longest prefix with choice 0's prompt and ``_prefill`` feeds only what that session does not already hold
@@ -85,9 +86,7 @@ class Engine(PromptRules):
         self.resumable: ResumableBackend | None = backend if can_resume(backend) else None
         #: the affinity store, when both it and the backend can reuse sessions across requests
         self.store = store if store is not None and self.resumable is not None else None
-        self.replica_id = (
-            settings.replica_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
-        )
+        self.replica_id = settings.replica_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         #: the backend, when the decode steps of concurrent choices are gathered into its ``step_many``
         self.batching: BatchingBackend | None = None
         #: gathers the decode steps of concurrent choices into one call (None: each steps on its own)
@@ -99,12 +98,11 @@ class Engine(PromptRules):
     def close(self) -> None:
         """Stop the worker threads (the backend belongs to the caller and stays open)."""
         self.executor.shutdown(wait=False, cancel_futures=True)
+        self.tokenize.close()
 
     # ---------------------------------------------------------------------------------------- generation
 
-    async def start(
-        self, specs: Sequence[ChoiceSpec], session_key: str | None = None, owner: str = ""
-    ) -> Generation:
+    async def start(self, specs: Sequence[ChoiceSpec], session_key: str | None = None, owner: str = "") -> Generation:
         """Open one session per choice; raise (nothing left open) if any cannot be opened. Choice 0 resumes
         the cached session sharing the longest prefix with its prompt (``session_key``'s, when given) among
         ``owner``'s (an API key's, a client's: nobody resumes, nor measures, someone else's cache)."""
@@ -161,9 +159,7 @@ class Engine(PromptRules):
             session.rollback(common)
         return session.step(prompt_ids[common:])
 
-    def _score_prompt(
-        self, session: DecodeSession, prompt_ids: list[int], k: int
-    ) -> tuple[torch.Tensor, list]:
+    def _score_prompt(self, session: DecodeSession, prompt_ids: list[int], k: int) -> tuple[torch.Tensor, list]:
         """Feed the prompt one token at a time to see every position's logits (the protocol only returns the
         last one). Returns the last logits and one TokenLogprob per prompt token."""
         if session.position:

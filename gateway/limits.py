@@ -11,9 +11,10 @@ carry ``x-request-id`` and any bug in them is still a 500 in the envelope):
                                                              not); a bounded queue waits for one (at most
                                                              stream_queue_timeout_s)
 
-The rate limiter needs the JSON body (its token estimate) before the route
-parses it: ``read_body`` reads it once, keeps it in ``scope["state"]`` and replays it downstream, so the
-route's own parsing (and its 400s) are unchanged.
+The rate limiter needs the JSON body (its token estimate, counted on the tokenize thread,
+gateway/tokenize_thread.py) before the route parses it: ``read_body`` reads it once (after the size check),
+keeps it in ``scope["state"]`` and replays it downstream, so the route's own parsing (and its 400s) are
+unchanged.
 
 The per-request timeout is the engine's ``request_timeout_s`` (a 504, or an error frame in a stream).
 """
@@ -21,6 +22,7 @@ The per-request timeout is the engine's ``request_timeout_s`` (a 504, or an erro
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 from collections import deque
@@ -44,6 +46,7 @@ from gateway.ratelimit import (
     request_identity,
 )
 from gateway.settings import GatewaySettings
+from gateway.tokenize_thread import TokenizeThread
 
 logger = logging.getLogger(__name__)
 
@@ -122,6 +125,10 @@ def _json_object(body: bytes) -> dict[str, Any] | None:
     return data if isinstance(data, dict) else None
 
 
+def _estimate(path: str, body: bytes, counter: TokenCounter | None, **limits: int) -> int:
+    return estimate_tokens(path, _json_object(body), counter, **limits)
+
+
 def _is_generation(scope: Scope) -> bool:
     return scope["type"] == "http" and scope.get("method") == "POST" and scope.get("path") in GENERATION_PATHS
 
@@ -185,10 +192,12 @@ class RateLimitMiddleware:
         max_context: int,
         max_choices: int,
         trusted_proxies: Collection[str] = (),
+        tokenize: TokenizeThread | None = None,
     ):
         self.app = app
         self.limiter = limiter
-        self.counter = counter
+        self.counter = counter  # the tokenize thread's tokenizer: used there only
+        self.tokenize = tokenize
         self.trusted_proxies = frozenset(trusted_proxies)
         self.default_max_tokens = default_max_tokens
         self.max_context = max_context
@@ -201,14 +210,17 @@ class RateLimitMiddleware:
         tokens = 0
         if self.limiter.tpm > 0:
             body, receive = await read_body(scope, receive)
-            tokens = estimate_tokens(
+            estimate = functools.partial(
+                _estimate,
                 scope["path"],
-                _json_object(body),
+                body,
                 self.counter,
                 default_max_tokens=self.default_max_tokens,
                 max_context=self.max_context,
                 max_choices=self.max_choices,
             )
+            # counting a body of megabytes takes seconds: on the tokenize thread, whose tokenizer it uses
+            tokens = await self.tokenize.run(estimate) if self.tokenize is not None else estimate()
         decision = await self.limiter.check(request_identity(scope, self.trusted_proxies), tokens)
         if not decision.admitted:
             err = self.limiter.refusal(decision, tokens)
@@ -234,9 +246,7 @@ class StreamSlots:
     """At most ``max_active`` streams at once; up to ``max_queued`` more wait, first come first served,
     at most ``queue_timeout_s`` (0: as long as it takes). ``max_active == 0``: unlimited."""
 
-    def __init__(
-        self, max_active: int, max_queued: int = 0, queue_timeout_s: float = 30.0, retry_after_s: int = 5
-    ):
+    def __init__(self, max_active: int, max_queued: int = 0, queue_timeout_s: float = 30.0, retry_after_s: int = 5):
         self.max_active = max_active
         self.max_queued = max_queued
         self.queue_timeout_s = queue_timeout_s
@@ -332,7 +342,8 @@ class StreamLimitMiddleware:
 
 
 def token_counter(settings: GatewaySettings, tokenizer: Any) -> TokenCounter | None:
-    """The rate limiter's token counter: a tiktoken BPE file if configured, else the model's tokenizer."""
+    """The rate limiter's token counter: a tiktoken BPE file if configured, else the model's tokenizer (the
+    tokenize thread's copy: the count runs there)."""
     if settings.rate_limit_tiktoken_file:
         return TiktokenCounter.from_bpe_file(settings.rate_limit_tiktoken_file)
     return ModelTokenCounter(tokenizer) if tokenizer is not None else None
@@ -346,6 +357,7 @@ def install_limits(app: FastAPI, settings: GatewaySettings) -> None:
         logger.warning("listening on %s without API keys: anyone who can reach it can use it", settings.host)
     engine = getattr(app.state, "engine", None)
     backend = getattr(app.state, "backend", None)
+    tokenize: TokenizeThread | None = getattr(engine, "tokenize", None)
     limiter = RateLimiter(settings.rate_limit_rpm, settings.rate_limit_tpm, redis_url=settings.redis_url)
     slots = StreamSlots(
         settings.max_concurrent_streams,
@@ -362,11 +374,12 @@ def install_limits(app: FastAPI, settings: GatewaySettings) -> None:
     app.add_middleware(
         RateLimitMiddleware,
         limiter=limiter,
-        counter=token_counter(settings, getattr(engine, "tokenizer", None)) if limiter.tpm else None,
+        counter=token_counter(settings, getattr(tokenize, "tokenizer", None)) if limiter.tpm else None,
         default_max_tokens=settings.default_max_tokens,
         max_context=int(getattr(backend, "max_context", 0) or 2**31),
         max_choices=settings.max_choices,
         trusted_proxies=settings.trusted_proxies,
+        tokenize=tokenize,
     )
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=settings.max_body_bytes)
     app.add_middleware(AuthMiddleware, keys=keys, exempt_paths=settings.auth_exempt_paths)

@@ -4,8 +4,11 @@ completion budget within the context window (a 400 naming both numbers, before a
 ids that end a generation (``eos_token_ids``).
 
 ``PromptRules`` is the base of ``Engine`` (gateway/engine.py), so the request handlers (gateway/serving.py)
-ask the engine. The tokenizer is used on the event loop only (HF fast tokenizers are not safe to share
-across threads).
+ask the engine. Request text is tokenized on the engine's tokenize thread (gateway/tokenize_thread.py), never
+on the event loop: the ``*_sync`` methods run there (each takes the thread's own tokenizer copy, which it
+refuses to hand out anywhere else), the async ones send them there. ``tokenizer`` itself, the backend's
+object, stays with the event loop (detokenizing streams, logprobs): HF fast tokenizers are not safe to
+share across threads.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from gateway.backend import ModelBackend
 from gateway.detokenize import TokenVocab
 from gateway.errors import ContextLengthExceededError, InvalidRequestError, ModelNotFoundError
 from gateway.settings import GatewaySettings
+from gateway.tokenize_thread import TokenizeThread
 from gateway.tool_formats import TOOL_FORMATS, ToolFormat, detect_tool_format
 from swarm_client.dht_records import PROTOCOL_VERSION
 
@@ -49,8 +53,13 @@ class PromptRules:
     def __init__(self, backend: ModelBackend, settings: GatewaySettings):
         self.backend = backend
         self.settings = settings
+        #: the event loop's tokenizer (token ids → text); request text goes to ``tokenize``
         self.tokenizer = backend.tokenizer
         self.vocab = TokenVocab(self.tokenizer)
+        self.vocab_size = len(self.tokenizer)  # read here once: the tokenize thread asks too
+        #: the thread (and tokenizer copy) for request text: prompts of megabytes never hold the event loop
+        self.tokenize = TokenizeThread(self.tokenizer)
+        self._special_ids: dict[str, int | None] = {}
 
     @property
     def model_id(self) -> str:
@@ -99,41 +108,45 @@ class PromptRules:
             return TOOL_FORMATS[name]
         return detect_tool_format(getattr(self.tokenizer, "chat_template", None))
 
-    def special_token_id(self, text: str | None) -> int | None:
+    async def special_token_id(self, text: str | None) -> int | None:
         """The id of ``text`` when the tokenizer has it as one special token (``[TOOL_CALLS]``: decoding
-        drops it unless told to keep special tokens), else None."""
+        drops it unless told to keep special tokens), else None. Asked once per text, then remembered."""
         if not text:
             return None
-        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
-        if len(ids) != 1 or self.tokenizer.decode(ids, skip_special_tokens=True):
+        if text not in self._special_ids:
+            self._special_ids[text] = await self.tokenize.run(self.special_token_id_sync, text)
+        return self._special_ids[text]
+
+    async def render_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
+        """``render_chat_sync`` on the tokenize thread."""
+        return await self.tokenize.run(self.render_chat_sync, messages, tools)
+
+    # ----------------------------------------------------------------- on the tokenize thread (tokenize.run)
+
+    def special_token_id_sync(self, text: str) -> int | None:
+        tokenizer = self.tokenize.own()
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        if len(ids) != 1 or tokenizer.decode(ids, skip_special_tokens=True):
             return None
         return int(ids[0])
 
-    def render_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
+    def render_chat_sync(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
         """Messages → prompt ids through the tokenizer's chat template, ending with the assistant's turn;
         ``tools`` (OpenAI's shape) go to templates that render them (gateway/tool_calling.py)."""
-        if not getattr(self.tokenizer, "chat_template", None):
-            raise InvalidRequestError(
-                "This model has no chat template; use /v1/completions instead.", param="messages"
-            )
+        tokenizer = self.tokenize.own()
+        if not getattr(tokenizer, "chat_template", None):
+            raise InvalidRequestError("This model has no chat template; use /v1/completions instead.", param="messages")
         extra = {"tools": tools} if tools else {}
         try:
-            text = self.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=True, tokenize=False, **extra
-            )
+            text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **extra)
         except Exception as exc:  # jinja raises TemplateError for conversations the template refuses
-            raise InvalidRequestError(
-                f"The chat template rejected these messages: {exc}", param="messages"
-            ) from None
+            raise InvalidRequestError(f"The chat template rejected these messages: {exc}", param="messages") from None
         # the template already wrote BOS and every special token it wants
-        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
-    def encode(self, text: str) -> list[int]:
-        return list(self.tokenizer(text, add_special_tokens=True)["input_ids"])
+    def encode_sync(self, text: str) -> list[int]:
+        return list(self.tokenize.own()(text, add_special_tokens=True)["input_ids"])
 
-    def decode(self, ids: Sequence[int]) -> str:
-        return self.tokenizer.decode(list(ids), skip_special_tokens=False, clean_up_tokenization_spaces=False)
-
-    @property
-    def vocab_size(self) -> int:
-        return len(self.tokenizer)
+    def decode_sync(self, ids: Sequence[int]) -> str:
+        tokenizer = self.tokenize.own()
+        return tokenizer.decode(list(ids), skip_special_tokens=False, clean_up_tokenization_spaces=False)

@@ -89,17 +89,25 @@ class _Turn:
             self.session_key = previous.session_key
         else:
             self.session_key = session_key(request, req.user) or f"responses:{self.owner or '-'}:{self.id}"
-        self.prompt, self.max_tokens = self._fit(engine)
+        #: the prompt ids and completion budget, set by ``fit``
+        self.prompt: list[int] = []
+        self.max_tokens = 0
         self.model = engine.model_id
         self.created = ResponseObject(id=self.id, status="in_progress", model=self.model).created_at
 
+    async def fit(self) -> None:
+        """Render the prompt on the engine's tokenize thread (never on the event loop: prompts can be
+        megabytes) and set ``prompt`` and ``max_tokens``."""
+        self.prompt, self.max_tokens = await self.engine.tokenize.run(self._fit, self.engine)
+
     def _fit(self, engine: Engine) -> tuple[list[int], int]:
         """The prompt ids and the completion budget; ``truncation: "auto"`` drops the oldest turns (never
-        the system messages, never the last item) until they fit the context window."""
+        the system messages, never the last item) until they fit the context window. On the tokenize
+        thread."""
         head = [{"role": "system", "content": self.req.instructions}] if self.req.instructions else []
         turns = list(self.conversation)
         while True:
-            prompt = engine.render_chat(head + turns)
+            prompt = engine.render_chat_sync(head + turns)
             try:
                 return prompt, engine.max_tokens_for(len(prompt), self.req.max_output_tokens, param="input")
             except ContextLengthExceededError:
@@ -172,6 +180,7 @@ async def create_response(
     engine.check_model(req.model)
     check_supported(req)
     turn = _Turn(engine, req, request, store)
+    await turn.fit()
     response_format = response_format_of(req.text)
     try:
         grammar = await engine.structured.compile(response_format)

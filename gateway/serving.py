@@ -67,12 +67,13 @@ async def create_chat_completion(engine: Engine, req: ChatCompletionRequest, req
         raise InvalidRequestError("top_logprobs requires logprobs to be true.", param="top_logprobs")
     top_k = (req.top_logprobs or 0) if req.logprobs else None
 
-    prompt = engine.render_chat(messages, tools.tools if tools is not None and fmt.native else None)
+    # the tokenize thread (gateway/tokenize_thread.py): a prompt of megabytes must not hold the event loop
+    prompt = await engine.render_chat(messages, tools.tools if tools is not None and fmt.native else None)
     requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     max_tokens = engine.max_tokens_for(len(prompt), requested, param="messages")
     stop = stop_list(req.stop)
     grammar = await _chat_grammar(engine, req, tools)
-    keep_special = tools is not None and engine.special_token_id(fmt.opener or "<|python_tag|>") is not None
+    keep_special = tools is not None and await engine.special_token_id(fmt.opener or "<|python_tag|>") is not None
     specs = [
         ChoiceSpec(
             i,
@@ -139,7 +140,7 @@ async def create_completion(engine: Engine, req: CompletionRequest, request: Req
     if req.echo and req.stream:
         raise UnsupportedParameterError("echo", "is not supported together with stream")
     check_stream_options(req.stream, req.stream_options)
-    prompts = _completion_prompts(engine, req.prompt)
+    prompts = await engine.tokenize.run(_completion_prompts, engine, req.prompt)  # off the event loop
     n = req.n or 1
     count_choices(engine, n, len(prompts))
     stop = stop_list(req.stop)
@@ -194,9 +195,7 @@ async def create_completion(engine: Engine, req: CompletionRequest, request: Req
             lps = (r.prompt_logprobs or []) + r.logprobs if req.echo else r.logprobs
             logprobs = legacy.build(lps)
         choices.append(
-            CompletionChoice(
-                finish_reason=r.finish_reason, index=r.index, logprobs=logprobs, text=echo_text + r.text
-            )
+            CompletionChoice(finish_reason=r.finish_reason, index=r.index, logprobs=logprobs, text=echo_text + r.text)
         )
     response = Completion(
         id=completion_id,
@@ -218,9 +217,7 @@ def _reject_unsupported_chat(req: ChatCompletionRequest) -> None:
     if req.functions:
         raise UnsupportedParameterError("functions", "is not supported (no function calling on this server)")
     if req.function_call not in (None, "none"):
-        raise UnsupportedParameterError(
-            "function_call", "is not supported (no function calling on this server)"
-        )
+        raise UnsupportedParameterError("function_call", "is not supported (no function calling on this server)")
     if req.audio is not None:
         raise UnsupportedParameterError("audio", "is not supported by this model")
     if req.modalities is not None and req.modalities != ["text"]:
@@ -236,9 +233,8 @@ async def _chat_grammar(engine: Engine, req: ChatCompletionRequest, tools: ToolP
     so ``response_format`` has nothing to shape), else ``response_format``'s (None: free text)."""
     if tools is not None and tools.forced:
         fmt = tools.fmt
-        lark = tool_call_grammar(
-            tools.functions, fmt, parallel=tools.parallel, opener_token=engine.special_token_id(fmt.opener)
-        )
+        opener = await engine.special_token_id(fmt.opener)
+        lark = tool_call_grammar(tools.functions, fmt, parallel=tools.parallel, opener_token=opener)
         return await engine.structured.compile_lark(lark, param="tools")
     return await engine.structured.compile(req.response_format)  # structured outputs (a 400 if bad)
 
@@ -261,7 +257,7 @@ def _reply(result: ChoiceResult, tools: ToolPlan | None) -> tuple[ChatCompletion
 def _completion_prompts(
     engine: Engine, prompt: str | list[str] | list[int] | list[list[int]]
 ) -> list[tuple[list[int], str]]:
-    """Every accepted shape of ``prompt`` → ``[(token ids, text to echo)]``."""
+    """Every accepted shape of ``prompt`` → ``[(token ids, text to echo)]``; on the tokenize thread."""
     # isinstance cannot narrow a union of list types by their items: the casts say what the checks found
     items: list[str | list[int]]
     if isinstance(prompt, str):
@@ -277,14 +273,12 @@ def _completion_prompts(
     for i, item in enumerate(items):
         where = "prompt" if len(items) == 1 else f"prompt[{i}]"
         if isinstance(item, str):
-            ids, text = engine.encode(item), item
+            ids, text = engine.encode_sync(item), item
         else:
             bad = [t for t in item if not 0 <= t < vocab]
             if bad:
-                raise InvalidRequestError(
-                    f"{where}: token id {bad[0]} is out of range [0, {vocab}).", param=where
-                )
-            ids, text = item, engine.decode(item)
+                raise InvalidRequestError(f"{where}: token id {bad[0]} is out of range [0, {vocab}).", param=where)
+            ids, text = item, engine.decode_sync(item)
         if not ids:
             raise InvalidRequestError(f"{where}: must not be empty.", param=where)
         out.append((ids, text))

@@ -4,18 +4,22 @@
 ``swarm_state()`` is read for ``missing_blocks`` (list of block indices nobody serves) and, when that key is
 absent, derived from ``num_blocks`` and ``blocks``/``spans`` if present; a backend that says nothing of
 blocks (an in-process model) is healthy.
+
+Both answer from ``app.state.swarm_view`` (gateway/swarm_view.py): the DHT is read on a thread of its own,
+once for a whole flood of probes, and a view at most ``STATE_MAX_AGE_S`` old answers without a read.
 """
 
-import asyncio
-import inspect
-from typing import Any
+from typing import Annotated, Any
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse
 
 from gateway.errors import ServiceUnavailableError
 from gateway.routes.deps import BackendDep, SettingsDep
+from gateway.swarm_view import STATE_MAX_AGE_S, SwarmView
 from swarm_client.errors import SwarmError
+
+__all__ = ["STATE_MAX_AGE_S", "missing_blocks", "router"]
 
 router = APIRouter(tags=["swarm"])
 
@@ -27,32 +31,24 @@ def missing_blocks(state: dict[str, Any]) -> list[int]:
     spans = state.get("spans")
     if isinstance(num_blocks, int) and isinstance(spans, list):
         covered = {
-            b
-            for s in spans
-            if str(s.get("state", "ONLINE")).upper() == "ONLINE"
-            for b in range(s["start"], s["end"])
+            b for s in spans if str(s.get("state", "ONLINE")).upper() == "ONLINE" for b in range(s["start"], s["end"])
         }
         return [b for b in range(num_blocks) if b not in covered]
     return []
 
 
-#: how old a swarm view ``/health`` and ``/v1/swarm`` may answer from (probes and pages poll them: one DHT
-#: read per interval serves them all, and never waits on the event loop)
-STATE_MAX_AGE_S = 2.0
+def _view(request: Request) -> SwarmView:
+    return request.app.state.swarm_view
 
 
-def _recent_state(backend: Any) -> dict[str, Any]:
-    """The backend's swarm state, at most ``STATE_MAX_AGE_S`` old where it can say so (the swarm backend)."""
-    if "max_age_s" in inspect.signature(backend.swarm_state).parameters:
-        return backend.swarm_state(max_age_s=STATE_MAX_AGE_S)
-    return backend.swarm_state()  # a backend whose view is always current (in-process, tests' fakes)
+ViewDep = Annotated[SwarmView, Depends(_view)]
 
 
 @router.get("/health")
-async def health(backend: BackendDep, settings: SettingsDep) -> JSONResponse:
+async def health(view: ViewDep, backend: BackendDep, settings: SettingsDep) -> JSONResponse:
     retry = {"Retry-After": str(settings.retry_after_s)}
     try:
-        state = await asyncio.to_thread(_recent_state, backend)
+        state = await view.get()
     except Exception as exc:  # a DHT that cannot be read is a swarm we cannot vouch for
         return JSONResponse(
             {"status": "unavailable", "model": backend.model_id, "error": f"{type(exc).__name__}: {exc}"},
@@ -73,10 +69,10 @@ async def health(backend: BackendDep, settings: SettingsDep) -> JSONResponse:
 
 
 @router.get("/v1/swarm")
-async def swarm(backend: BackendDep, settings: SettingsDep) -> JSONResponse:
+async def swarm(view: ViewDep, settings: SettingsDep) -> JSONResponse:
     """The swarm state; 503 in the error envelope when the DHT cannot be read (a bug stays a 500)."""
     try:
-        state = await asyncio.to_thread(_recent_state, backend)
+        state = await view.get()
     except (SwarmError, OSError, TimeoutError) as exc:
         raise ServiceUnavailableError(
             f"Cannot read the swarm's DHT right now: {type(exc).__name__}: {exc}",

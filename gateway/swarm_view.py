@@ -1,0 +1,75 @@
+"""The swarm as ``/health`` and ``/v1/swarm`` see it: the backend's ``swarm_state()``, read off the event
+loop (a DHT read blocks on the network), one read at a time, and answered from memory while it is recent.
+
+Probes are unauthenticated and come in floods (load balancers, status pages, attackers): every probe that
+arrives while a read is in flight waits for that read instead of starting its own, and with a backend that
+can say how old its view may be (``swarm_state(max_age_s=...)``: the swarm backend) a view at most
+``STATE_MAX_AGE_S`` old answers without any read at all. A backend without that parameter (in-process,
+tests' fakes) is read afresh for each probe that finds no read in flight. Failures are remembered like
+answers: a DHT that cannot be read is not asked again by every probe of the same interval.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+__all__ = ["STATE_MAX_AGE_S", "THREAD_NAME_PREFIX", "SwarmView"]
+
+#: how old a swarm view ``/health`` and ``/v1/swarm`` may answer from (probes and pages poll them: one DHT
+#: read per interval serves them all)
+STATE_MAX_AGE_S = 2.0
+#: the reading thread's name starts with this (tests look for it)
+THREAD_NAME_PREFIX = "swarm-view"
+
+
+class SwarmView:
+    """``await get()``: the backend's swarm state, read on a thread of its own, single-flight, cached."""
+
+    def __init__(self, backend: Any, max_age_s: float = STATE_MAX_AGE_S):
+        self.backend = backend
+        self.max_age_s = max_age_s if _takes_max_age(backend) else 0.0
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=THREAD_NAME_PREFIX)
+        self._inflight: asyncio.Future[dict[str, Any]] | None = None
+        #: (loop time the last read began, that read's future: its state or its exception)
+        self._last: tuple[float, asyncio.Future[dict[str, Any]]] | None = None
+        #: reads of the backend so far (for tests and metrics)
+        self.reads = 0
+
+    async def get(self) -> dict[str, Any]:
+        """The swarm state, or the exception reading it raised."""
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        if self._last is not None and self.max_age_s > 0 and now - self._last[0] <= self.max_age_s:
+            return self._last[1].result()
+        if self._inflight is None:
+            inflight = loop.run_in_executor(self._executor, self._read)
+            self._inflight = inflight
+
+            def done(future: asyncio.Future[dict[str, Any]], began: float = now) -> None:
+                if not future.cancelled():
+                    self._last = (began, future)
+                if self._inflight is future:
+                    self._inflight = None
+
+            inflight.add_done_callback(done)
+        # shielded: a probe whose client hung up stops waiting, the read goes on for the others
+        return await asyncio.shield(self._inflight)
+
+    def _read(self) -> dict[str, Any]:
+        self.reads += 1
+        if self.max_age_s > 0:
+            return self.backend.swarm_state(max_age_s=self.max_age_s)
+        return self.backend.swarm_state()
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+
+def _takes_max_age(backend: Any) -> bool:
+    try:
+        return "max_age_s" in inspect.signature(backend.swarm_state).parameters
+    except (AttributeError, TypeError, ValueError):
+        return False

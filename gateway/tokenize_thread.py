@@ -1,0 +1,76 @@
+"""The one thread where request text becomes tokens: chat-template rendering, prompt tokenizing, the rate
+limiter's token estimates. A prompt of megabytes takes seconds to tokenize (an 8 MiB body: ~10 s on a
+laptop core); on the event loop that froze every stream the gateway was sending, so handlers ``await``
+it here instead (HF fast tokenizers release the GIL while they work).
+
+The thread owns a private deep copy of the tokenizer, ``TokenizeThread.tokenizer``: HF fast tokenizers are
+not safe to use from two threads at once ("Already borrowed"), and the event loop keeps the backend's own
+object for what it does per token (gateway/detokenize.py: streams, logprobs). Code that uses the copy runs
+through ``run``; ``own()`` hands the copy out only on this thread, so a slip is a loud error, not a rare
+race. One thread, not a pool: prompts wait their turn, and the copy is never shared.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import functools
+import logging
+import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, ParamSpec, TypeVar
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["THREAD_NAME_PREFIX", "TokenizeThread"]
+
+#: the worker thread's name starts with this (tests look for it)
+THREAD_NAME_PREFIX = "tokenize"
+
+P = ParamSpec("P")
+T = TypeVar("T")
+
+
+class TokenizeThread:
+    """A single worker thread with its own copy of ``tokenizer``; ``await run(fn, ...)`` calls ``fn`` there."""
+
+    def __init__(self, tokenizer: Any):
+        self.tokenizer = _private_copy(tokenizer)
+        self._thread: threading.Thread | None = None
+        self._executor = ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix=THREAD_NAME_PREFIX, initializer=self._register
+        )
+
+    def _register(self) -> None:
+        self._thread = threading.current_thread()
+
+    def on_thread(self) -> bool:
+        return self._thread is not None and threading.current_thread() is self._thread
+
+    def own(self) -> Any:
+        """The thread's tokenizer; only to code running on the thread (a RuntimeError elsewhere)."""
+        if not self.on_thread():
+            raise RuntimeError(
+                f"the tokenize thread's tokenizer used from {threading.current_thread().name}: use TokenizeThread.run"
+            )
+        return self.tokenizer
+
+    async def run(self, fn: Callable[P, T], /, *args: P.args, **kwargs: P.kwargs) -> T:
+        """``fn(*args, **kwargs)`` on the thread, its result or exception here. A cancelled caller stops
+        waiting; a call already running finishes (a tokenizer cannot be interrupted)."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._executor, functools.partial(fn, *args, **kwargs))
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+
+def _private_copy(tokenizer: Any) -> Any:
+    if tokenizer is None:
+        return None
+    try:
+        return copy.deepcopy(tokenizer)
+    except Exception as exc:  # a tokenizer that cannot be copied is shared with the loop: say so
+        logger.warning("tokenizer %s cannot be deep-copied (%s): the tokenize thread shares it", type(tokenizer), exc)
+        return tokenizer
