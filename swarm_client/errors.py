@@ -8,6 +8,7 @@
     │   ├── InvalidInputError   bad shape / dtype / hidden size / metadata
     │   ├── LengthExceededError a step would go past the session's max_length
     │   ├── SessionNotFoundError unknown (or expired / evicted) session id
+    │   │   └── SessionAccessError the session exists but the caller may not use it (no capability)
     │   ├── SessionTooLongError  the session's max_length is more than this server can ever hold
     │   └── CacheExhaustedError the server's KV-cache budget cannot fit the request
     │       └── ServerBusyError  full for now (sessions or cache), with how much is free: not a fault
@@ -81,6 +82,13 @@ class SessionNotFoundError(RemoteError):
     code = "session_not_found"
 
 
+class SessionAccessError(SessionNotFoundError):
+    """The session is another client's: resuming it (or pushing into it) needs the capability its creator
+    gave the server (``swarm_client.capabilities``). Recovery treats it like a lost session."""
+
+    code = "session_access_denied"
+
+
 class SessionTooLongError(RemoteError):
     """``max_length`` exceeds the server's whole cache budget (``details["cache_tokens_total"]``): no wait
     makes it fit there, another server might."""
@@ -106,6 +114,7 @@ _BY_CODE: dict[str, type[RemoteError]] = {
         InvalidInputError,
         LengthExceededError,
         SessionNotFoundError,
+        SessionAccessError,
         SessionTooLongError,
         CacheExhaustedError,
         ServerBusyError,

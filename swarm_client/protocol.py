@@ -5,16 +5,20 @@ msgpack metadata dict. RPC names are fixed here (``BlockRPC``) so client stubs a
 whatever their Python class names are.
 
 Inference stream (``rpc_inference``), one bidirectional stream per server span:
-    client → {"open": {"session_id", "max_length", "batch_size", "resume", "start_position"?}}
+    client → {"open": {"session_id", "max_length", "batch_size", "resume", "resume_token", "push_token"}}
+                                                                (tokens: ``swarm_client.capabilities``;
+                                                                resuming needs the resume token given at open)
     server → {"position": p}                                  (p: tokens already cached, 0 for a new one)
     client → tensors [hidden [B, T, H]], {"position": p}        (p: where these tokens start; p < current
                                                                 position rolls the cache back first)
     server → tensors [hidden [B, T, H]], {"position": p + T}
     any server message may instead be {"error": {"code", "message"}} — see ``swarm_client.errors``.
+    A step carries at most ``MAX_STEP_TOKENS`` tokens (batch × length); longer prefills are split.
     Optional server-to-server push: a step may carry {"step_id": s, "push_chain": [{"peer_id",
-    "session_id"}, ...]} (the next hops); the server then also sends its output to the first of them
-    (``rpc_push``: one long-lived stream per target session, a message per step: tensors [out],
-    {"session_id", "step_id", "position", "push_chain": rest}), which runs it at once. The client still
+    "session_id", "push_token"}, ...]} (the next hops); the server then also sends its output to the first
+    of them (``rpc_push``: one long-lived stream per target session, a message per step: tensors [out],
+    {"session_id", "push_token", "step_id", "position", "push_chain": rest}), which runs it at once if the
+    token is the one the session was opened with (else a ``session_access_denied`` error). The client still
     sends every hop its own copy; a server answers each step_id once,
     echoing it in the response, so a client skips answers whose step_id is not the one it waits for.
 Bundled steps (``rpc_steps``, servers announcing the ``step_bundles`` feature): one long-lived stream per
@@ -46,6 +50,9 @@ from hivemind.utils.streaming import split_for_streaming
 STREAM_CHUNK_BYTES = 2**20
 #: the largest single inference-stream message the client sends; longer prefills are split into steps
 MAX_STEP_BYTES = 2**21
+#: the most tokens (batch × length) one inference step may carry: servers refuse more (one step holds the
+#: compute thread, and every other session, for its whole duration), clients split prefills below it
+MAX_STEP_TOKENS = 1024
 #: an inference step may carry ``batch_group`` (an int below this): the client's pipeline group, which servers
 #: batch one at a time (``ClientConfig.pipeline_groups``, worker/batcher.py)
 MAX_PIPELINE_GROUPS = 64
@@ -121,13 +128,9 @@ def make_response(
     )
 
 
-def split_message(
-    tensors: Sequence[torch.Tensor], metadata: dict, cls, compression: str = "none"
-) -> Iterable:
+def split_message(tensors: Sequence[torch.Tensor], metadata: dict, cls, compression: str = "none") -> Iterable:
     """Yield ``cls`` messages carrying ``tensors`` in chunks; metadata rides on the first one."""
-    parts = [
-        part for t in tensors for part in split_for_streaming(serialize(t, compression), STREAM_CHUNK_BYTES)
-    ]
+    parts = [part for t in tensors for part in split_for_streaming(serialize(t, compression), STREAM_CHUNK_BYTES)]
     if not parts:
         yield cls(metadata=pack_metadata(metadata))
         return

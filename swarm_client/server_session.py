@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator
 
 import torch
 
-from swarm_client import protocol
+from swarm_client import capabilities, protocol
 from swarm_client.errors import PeerError, PeerTimeout, SwarmError, error_from_wire
 from swarm_client.routing import RouteHop
 from swarm_client.sequence_manager import SequenceManager
@@ -79,9 +79,7 @@ class _ServerSession:
                     raise PeerError(f"server {self.hop.peer_id} stopped answering: {e}", self.hop.peer_id) from e
                 wait = min(config.probe_after, max(deadline - time.monotonic(), 0.001))
 
-    async def _exchange(
-        self, request, timeout: float, step_id: str | None = None
-    ) -> tuple[list[torch.Tensor], dict]:
+    async def _exchange(self, request, timeout: float, step_id: str | None = None) -> tuple[list[torch.Tensor], dict]:
         """Send ``request`` and return its answer. With ``step_id``, answers to other steps (a pushed copy
         of a step the client later redid elsewhere) are skipped."""
         self._queue.put_nowait(request)
@@ -97,9 +95,7 @@ class _ServerSession:
             if isinstance(response, SwarmError):
                 raise response
             if isinstance(response, Exception):
-                raise PeerError(
-                    f"server {self.hop.peer_id} stream failed: {response}", self.hop.peer_id
-                ) from response
+                raise PeerError(f"server {self.hop.peer_id} stream failed: {response}", self.hop.peer_id) from response
             if isinstance(response, tuple):  # delivered by a step bundle, already unpacked
                 serialized, metadata = response
             else:
@@ -123,6 +119,8 @@ class _ServerSession:
             "max_length": max_length,
             "batch_size": batch_size,
             "resume": resume,
+            "resume_token": capabilities.resume_token(self.session_id),
+            "push_token": capabilities.push_token(self.session_id),
             "start_block": self.hop.start,
             "end_block": self.hop.end,
         }
@@ -152,7 +150,7 @@ class _ServerSession:
         """One step; ``push_chain`` (the next hops' peer and session ids) asks the server to push its
         output on to the first of them (see ``protocol``)."""
         hidden = self._to_wire(hidden)
-        extra = {} if step_id is None else {"step_id": step_id, "push_chain": push_chain or []}
+        extra = {} if step_id is None else {"step_id": step_id, "push_chain": _with_push_tokens(push_chain or [])}
         if self.batch_group is not None:
             extra["batch_group"] = self.batch_group
         compression = self.manager.config.compression
@@ -201,6 +199,11 @@ class _ServerSession:
                 await asyncio.wait_for(asyncio.shield(self._reader), 2.0)
             except Exception:
                 self._reader.cancel()  # the server frees the session when the stream breaks anyway
+
+
+def _with_push_tokens(chain: list[dict]) -> list[dict]:
+    """The chain's hops, each with the token its server needs to accept our pushed steps."""
+    return [{**hop, "push_token": capabilities.push_token(str(hop.get("session_id")))} for hop in chain]
 
 
 async def close_all(sessions: list[_ServerSession], keep: bool = False) -> None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import statistics
+import sys
 import time
 from collections import deque
 from collections.abc import Callable
@@ -57,6 +58,8 @@ class StepBatcher:
         self.batches = 0
         self.batched_items = 0
         self.max_batch_seen = 0
+        #: batches that failed and were rerun step by step, so one broken step failed only its own session
+        self.isolated_failures = 0
         #: wall time of recent batches in the compute thread (profiling; exposed by the info RPC)
         self.compute_seconds: deque[float] = deque(maxlen=512)
 
@@ -65,13 +68,7 @@ class StepBatcher:
         if self.runner.can_batch(item) and item.hidden.shape[1] == 1:  # decode steps set the session's pace
             self.arrivals.arrived(item.cache.session_id, item.hidden.shape[0])
         small = _tokens(item) <= 8  # never block the loop on a long prefill
-        if (
-            small
-            and self.single_stream is not None
-            and self.single_stream()
-            and not self._pending
-            and self._idle()
-        ):
+        if small and self.single_stream is not None and self.single_stream() and not self._pending and self._idle():
             self.batches += 1
             self.batched_items += 1
             self.max_batch_seen = max(self.max_batch_seen, 1)
@@ -108,6 +105,7 @@ class StepBatcher:
             "max_batch_seen": self.max_batch_seen,
             "compute_ms_median": 1000 * statistics.median(recent) if recent else None,
             "batch_waits": self.waits,
+            "isolated_failures": self.isolated_failures,
             "batch_wait_seconds": round(self.waited_seconds, 3),
         }
 
@@ -161,14 +159,31 @@ class StepBatcher:
             self.max_batch_seen = max(self.max_batch_seen, len(batch))
             try:
                 outs = await loop.run_in_executor(self.executor, self._timed_batch, [i for i, _ in batch])
-            except Exception as e:  # one failure fails the whole batch; each caller reports it
-                for _, fut in batch:
-                    if not fut.done():
-                        fut.set_exception(e)
+            except Exception:
+                if len(batch) == 1:
+                    raise_into(batch[0][1])
+                    continue
+                # one step broke the shared pass: run each alone so only the broken one fails (the rows the
+                # pass wrote into caches are rewritten at the same positions, so retrying is exact)
+                self.isolated_failures += 1
+                for item, fut in batch:
+                    try:
+                        (out,) = await loop.run_in_executor(self.executor, self._timed_batch, [item])
+                    except Exception:
+                        raise_into(fut)
+                    else:
+                        if not fut.done():
+                            fut.set_result(out)
                 continue
             for (_, fut), out in zip(batch, outs, strict=True):
                 if not fut.done():
                     fut.set_result(out)
+
+
+def raise_into(future: asyncio.Future) -> None:
+    """Hand the exception being handled to ``future``'s caller (unless it gave up waiting)."""
+    if not future.done():
+        future.set_exception(sys.exception())
 
 
 def _tokens(item: StepItem) -> int:

@@ -23,7 +23,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from swarm_client.errors import InvalidInputError, ServerBusyError, SessionNotFoundError, SessionTooLongError
+from swarm_client.capabilities import token_matches
+from swarm_client.errors import (
+    InvalidInputError,
+    ServerBusyError,
+    SessionAccessError,
+    SessionNotFoundError,
+    SessionTooLongError,
+)
 from swarm_client.families import CacheLayout
 
 MIN_CAPACITY = 64
@@ -45,6 +52,10 @@ class SessionCache:
     attached: bool = True
     last_used: float = field(default_factory=time.monotonic)
     owner: str | None = None
+    #: the peer that opened the session, and digests of the capabilities it gave (``swarm_client.capabilities``)
+    creator: str | None = None
+    resume_digest: bytes | None = None
+    push_digest: bytes | None = None
     #: which of the server's blocks (relative slice) this session runs through
     blocks: slice = field(default_factory=lambda: slice(None))
     #: the client's pipeline group (worker/batcher.py batches one group at a time); None: no group
@@ -105,14 +116,13 @@ class CacheManager:
     ) -> SessionCache:
         """Register a new attached session (no memory yet beyond the first small chunk)."""
         if session_id in self.sessions:
-            raise InvalidInputError(
-                f"session {session_id!r} already exists on this server; resume it instead"
-            )
+            raise InvalidInputError(f"session {session_id!r} already exists on this server; resume it instead")
         self._check_fits(batch_size, max_length)
         self._check_owner(owner)
         self._make_session_room()
         layers = self.num_layers if num_layers is None else num_layers
         cache = SessionCache(session_id, batch_size, max_length, layers, self.layout, self.dtype, self.device)
+        cache.creator = owner
         self.sessions[session_id] = cache
         self._attach(cache, owner)
         try:
@@ -171,14 +181,33 @@ class CacheManager:
                 del self._owned[cache.owner]
         cache.attached, cache.owner = False, None
 
-    def resume(self, session_id: str, owner: str | None = None, max_length: int | None = None) -> SessionCache:
+    def resume(
+        self,
+        session_id: str,
+        owner: str | None = None,
+        max_length: int | None = None,
+        resume_token: object = None,
+    ) -> SessionCache:
         """Re-attach a detached session; a larger ``max_length`` raises its cap (a conversation's next turn
-        may be longer than the first request asked for) if the budget could ever hold it."""
+        may be longer than the first request asked for) if the budget could ever hold it.
+
+        Only its creator may: the holder of the resume token it was opened with, or (opened without one)
+        the same peer. Anyone else gets ``SessionAccessError`` — and learns nothing a wrong guess would not."""
         self.expire()
         cache = self.sessions.get(session_id)
         if cache is None:
             raise SessionNotFoundError(
                 f"session {session_id!r} is not on this server (expired, evicted or never opened)"
+            )
+        allowed = (
+            token_matches(resume_token, cache.resume_digest)
+            if cache.resume_digest is not None
+            else cache.creator == owner
+        )
+        if not allowed:
+            raise SessionAccessError(
+                f"session {session_id!r} was opened by another client; resuming it needs the resume token it "
+                "was opened with — open a new session instead"
             )
         if cache.attached:
             raise InvalidInputError(f"session {session_id!r} is in use by another stream")
@@ -252,9 +281,7 @@ class CacheManager:
     def expire(self) -> int:
         now = time.monotonic()
         stale = [
-            s.session_id
-            for s in self.sessions.values()
-            if not s.attached and now - s.last_used > self.session_ttl
+            s.session_id for s in self.sessions.values() if not s.attached and now - s.last_used > self.session_ttl
         ]
         for session_id in stale:
             self.free(session_id)

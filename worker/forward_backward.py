@@ -20,6 +20,7 @@ from swarm_client import protocol
 from swarm_client.errors import InvalidInputError, RemoteError
 from worker.compute import SpanRunner
 from worker.metrics import WorkerMetrics
+from worker.uploads import UploadBudget
 from worker.wire import WireChecks, internal_error
 
 logger = logging.getLogger(__name__)
@@ -31,6 +32,7 @@ class ForwardBackward(WireChecks):
     """``rpc_forward`` and ``rpc_backward``, mixed into ``BlockHandler``."""
 
     runner: SpanRunner
+    uploads: UploadBudget
     executor: ThreadPoolExecutor
     tokens_processed: int
     metrics: WorkerMetrics | None
@@ -43,28 +45,30 @@ class ForwardBackward(WireChecks):
     ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
         """``[hidden]`` or ``[hidden, prompts]`` → ``[out]`` (``[N, B, T, H]`` with output_hidden_states)."""
         try:
-            tensors, metadata = await self._gather(requests, max_count=2)
-            if len(tensors) not in (1, 2):
-                raise InvalidInputError(f"expected [hidden] or [hidden, prompts], got {len(tensors)} tensors")
-            (hidden,) = self._check_hidden(tensors[:1])
-            self._check_forward_size(hidden)
-            start, end = self._blocks(metadata)
-            prompts = self._check_prompts(tensors[1], hidden, end - start) if len(tensors) == 2 else None
-            t0 = time.perf_counter()
-            out = await self._compute(
-                self.runner.forward,
-                hidden,
-                bool(metadata.get("output_hidden_states")),
-                self._relative(start, end),
-                prompts,
-            )
-            self.tokens_processed += hidden.shape[0] * hidden.shape[1]
-            if self.metrics is not None:
-                tokens = hidden.shape[0] * hidden.shape[1]
-                self.metrics.observe_step("forward", time.perf_counter() - t0, tokens)
-            compression = metadata.get("compression", "none")
-            for message in protocol.split_message([out], {}, runtime_pb2.ExpertResponse, compression):
-                yield message
+            with self.uploads.hold() as held:
+                tensors, metadata = await self._gather(requests, max_count=2, hold=held.add)
+                self._check_compression_out(metadata)
+                if len(tensors) not in (1, 2):
+                    raise InvalidInputError(f"expected [hidden] or [hidden, prompts], got {len(tensors)} tensors")
+                (hidden,) = self._check_hidden(tensors[:1])
+                self._check_forward_size(hidden)
+                start, end = self._blocks(metadata)
+                prompts = self._check_prompts(tensors[1], hidden, end - start) if len(tensors) == 2 else None
+                t0 = time.perf_counter()
+                out = await self._compute(
+                    self.runner.forward,
+                    hidden,
+                    bool(metadata.get("output_hidden_states")),
+                    self._relative(start, end),
+                    prompts,
+                )
+                self.tokens_processed += hidden.shape[0] * hidden.shape[1]
+                if self.metrics is not None:
+                    tokens = hidden.shape[0] * hidden.shape[1]
+                    self.metrics.observe_step("forward", time.perf_counter() - t0, tokens)
+                compression = metadata.get("compression", "none")
+                for message in protocol.split_message([out], {}, runtime_pb2.ExpertResponse, compression):
+                    yield message
         except (RemoteError, ValueError) as e:
             yield protocol.make_response(error=self._wire_error(e))
             await self._let_client_finish(requests)
@@ -77,28 +81,32 @@ class ForwardBackward(WireChecks):
     ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
         """``[hidden, grad_output(, prompts)]`` → ``[grad_hidden(, grad_prompts)]``."""
         try:
-            tensors, metadata = await self._gather(requests, max_count=3)
-            if len(tensors) not in (2, 3):
-                raise InvalidInputError(
-                    f"expected [hidden, grad_output] or [hidden, grad_output, prompts], got {len(tensors)}"
+            with self.uploads.hold() as held:
+                tensors, metadata = await self._gather(requests, max_count=3, hold=held.add)
+                self._check_compression_out(metadata)
+                if len(tensors) not in (2, 3):
+                    raise InvalidInputError(
+                        f"expected [hidden, grad_output] or [hidden, grad_output, prompts], got {len(tensors)}"
+                    )
+                hidden, grad_output = self._check_hidden(tensors[:2], count=2)
+                if hidden.shape != grad_output.shape:
+                    raise InvalidInputError(
+                        f"grad_output shape {tuple(grad_output.shape)} != input {tuple(hidden.shape)}"
+                    )
+                self._check_forward_size(hidden)
+                start, end = self._blocks(metadata)
+                prompts = self._check_prompts(tensors[2], hidden, end - start) if len(tensors) == 3 else None
+                t0 = time.perf_counter()
+                grad, grad_prompts = await self._compute(
+                    self.runner.backward, hidden, grad_output, self._relative(start, end), prompts
                 )
-            hidden, grad_output = self._check_hidden(tensors[:2], count=2)
-            if hidden.shape != grad_output.shape:
-                raise InvalidInputError(f"grad_output shape {tuple(grad_output.shape)} != input {tuple(hidden.shape)}")
-            self._check_forward_size(hidden)
-            start, end = self._blocks(metadata)
-            prompts = self._check_prompts(tensors[2], hidden, end - start) if len(tensors) == 3 else None
-            t0 = time.perf_counter()
-            grad, grad_prompts = await self._compute(
-                self.runner.backward, hidden, grad_output, self._relative(start, end), prompts
-            )
-            if self.metrics is not None:
-                tokens = hidden.shape[0] * hidden.shape[1]
-                self.metrics.observe_step("backward", time.perf_counter() - t0, tokens)
-            grads = [grad] if grad_prompts is None else [grad, grad_prompts]
-            compression = metadata.get("compression", "none")
-            for message in protocol.split_message(grads, {}, runtime_pb2.ExpertResponse, compression):
-                yield message
+                if self.metrics is not None:
+                    tokens = hidden.shape[0] * hidden.shape[1]
+                    self.metrics.observe_step("backward", time.perf_counter() - t0, tokens)
+                grads = [grad] if grad_prompts is None else [grad, grad_prompts]
+                compression = metadata.get("compression", "none")
+                for message in protocol.split_message(grads, {}, runtime_pb2.ExpertResponse, compression):
+                    yield message
         except (RemoteError, ValueError) as e:
             yield protocol.make_response(error=self._wire_error(e))
             await self._let_client_finish(requests)

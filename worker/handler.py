@@ -31,6 +31,7 @@ from worker.compute import SpanRunner
 from worker.forward_backward import ForwardBackward
 from worker.metrics import WorkerMetrics
 from worker.push import PushSender
+from worker.uploads import UploadBudget
 from worker.wire import HandlerLimits
 
 __all__ = ["BlockHandler", "HandlerLimits"]
@@ -55,6 +56,7 @@ class BlockHandler(StepBundles, ForwardBackward, protocol.BlockRPC):
         self.start, self.end = start, end
         self.info = info
         self.limits = limits or HandlerLimits()
+        self.uploads = UploadBudget(self.limits.max_upload_bytes)
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="compute")
         self.batcher = StepBatcher(runner, self.executor, single_stream=lambda: self.active_streams <= 1)
         self.accepting = True
@@ -72,6 +74,8 @@ class BlockHandler(StepBundles, ForwardBackward, protocol.BlockRPC):
         self.pushes_sent = 0
         self.push_failures = 0
         self.pushes_used = 0
+        self.pushes_refused = 0
+        self.pushes_dropped = 0
 
     async def rpc_info(self, request: runtime_pb2.ExpertUID, context: P2PContext) -> runtime_pb2.ExpertInfo:
         self.caches.expire()
@@ -85,6 +89,9 @@ class BlockHandler(StepBundles, ForwardBackward, protocol.BlockRPC):
             "pushes_sent": self.pushes_sent,
             "push_failures": self.push_failures,
             "pushes_used": self.pushes_used,
+            "pushes_refused": self.pushes_refused,
+            "pushes_dropped": self.pushes_dropped,
             "accepting": self.accepting,
+            "uploads_refused": self.uploads.refused,
         }
         return runtime_pb2.ExpertInfo(serialized_info=protocol.pack_metadata(payload))

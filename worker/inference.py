@@ -19,6 +19,7 @@ from hivemind.p2p import P2PContext
 from hivemind.proto import runtime_pb2
 
 from swarm_client import protocol
+from swarm_client.capabilities import token_digest
 from swarm_client.errors import InvalidInputError, LengthExceededError, RemoteError
 from swarm_client.protocol import MAX_PIPELINE_GROUPS
 from worker.batcher import StepBatcher
@@ -31,6 +32,9 @@ from worker.wire import internal_error
 logger = logging.getLogger(__name__)
 #: how many recent step ids a stream remembers to drop the second copy of a step (push + client copy)
 _REMEMBERED_STEPS = 16
+#: messages a session's inbox holds (client steps and pushed ones); a full inbox stops reading the client's
+#: stream (backpressure down to the transport) and drops pushed steps (the client's own copy follows)
+INBOX_SIZE = 8
 #: how long each step of a ``--fault slow`` server is held
 SLOW_FAULT_SECONDS = 0.25
 
@@ -60,7 +64,7 @@ class InferenceStreams(ServerPush):
         owner = context.remote_id.to_base58() if context.remote_id is not None else None
         cache: SessionCache | None = None
         keep = False
-        inbox: asyncio.Queue = asyncio.Queue()
+        inbox: asyncio.Queue = asyncio.Queue(INBOX_SIZE)
         pushes: dict[str, PushStream] = {}
         pump: asyncio.Task | None = None
         self.active_streams += 1
@@ -141,7 +145,7 @@ class InferenceStreams(ServerPush):
             wanted = spec.get("max_length")
             if wanted is not None and (not isinstance(wanted, int) or isinstance(wanted, bool) or wanted < 1):
                 raise InvalidInputError(f"max_length must be a positive int, got {wanted!r}")
-            return self.caches.resume(session_id, owner, max_length=wanted)
+            return self.caches.resume(session_id, owner, max_length=wanted, resume_token=spec.get("resume_token"))
         start, end = self._blocks(spec)
         batch_size, max_length = spec.get("batch_size", 1), spec.get("max_length")
         if not isinstance(batch_size, int) or not 1 <= batch_size <= self.limits.max_batch_size:
@@ -152,10 +156,14 @@ class InferenceStreams(ServerPush):
             raise InvalidInputError(f"max_length must be a positive int, got {max_length!r}")
         cache = self.caches.open(session_id, batch_size, max_length, owner=owner, num_layers=end - start)
         cache.blocks = self._relative(start, end)
+        cache.resume_digest = token_digest(spec.get("resume_token"))
+        cache.push_digest = token_digest(spec.get("push_token"))
         return cache
 
     async def _step(self, cache: SessionCache, tensors: list[torch.Tensor], metadata: dict) -> tuple[torch.Tensor, int]:
         (hidden,) = self._check_hidden(tensors)
+        self._check_step_size(hidden)
+        self._check_compression_out(metadata)
         if hidden.shape[0] != cache.batch_size:
             raise InvalidInputError(f"batch size {hidden.shape[0]} does not match the session's {cache.batch_size}")
         position = metadata.get("position", cache.position)
@@ -203,13 +211,13 @@ class InferenceStreams(ServerPush):
             return None
         try:
             out, position = await self._step(cache, tensors, metadata)
-        except Exception as e:
+            recent.append(step_id)
+            self.pushes_used += 1
+            self._push_next(out, metadata, pushes)
+            return self._step_response(out, position, metadata)
+        except Exception as e:  # whatever a pushed step holds, the session goes on: the client's copy follows
             logger.debug("dropped a pushed step of session %s: %r", cache.session_id, e)
             return None
-        recent.append(step_id)
-        self.pushes_used += 1
-        self._push_next(out, metadata, pushes)
-        return self._step_response(out, position, metadata)
 
     async def _inject_fault(self, out: torch.Tensor) -> torch.Tensor:
         """Misbehave on purpose (``--fault``) so clients' failover can be tested against a real process."""
@@ -230,10 +238,10 @@ class InferenceStreams(ServerPush):
         """Move the client's messages into the stream's inbox (where pushed steps also arrive)."""
         try:
             async for request in requests:
-                inbox.put_nowait(("client", request))
+                await inbox.put(("client", request))  # full: stop reading until the session catches up
         except Exception as e:  # a broken stream ends the session like a closed one
             logger.debug("inference stream broke: %r", e)
-        inbox.put_nowait(("end", None))
+        await inbox.put(("end", None))
 
     @staticmethod
     def _step_response(out: torch.Tensor, position: int, metadata: dict) -> runtime_pb2.ExpertResponse:

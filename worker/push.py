@@ -18,11 +18,15 @@ from hivemind.p2p import P2PContext
 from hivemind.proto import runtime_pb2
 
 from swarm_client import protocol
-from swarm_client.errors import RemoteError
+from swarm_client.capabilities import token_matches
+from swarm_client.errors import InvalidInputError, RemoteError, SessionAccessError
+from worker.cache import CacheManager
 from worker.wire import WireChecks
 
 logger = logging.getLogger(__name__)
 #: streams push messages to a peer until they end (set by the server, which owns the p2p daemon)
+#: a pushed step's id is echoed back to the client: bounded like everything a stranger sends
+MAX_STEP_ID_CHARS = 64
 PushSender = Callable[[str, AsyncIterator[runtime_pb2.ExpertRequest]], Awaitable[None]]
 
 
@@ -31,31 +35,50 @@ class ServerPush(WireChecks):
 
     #: open inference streams' inboxes by session id (kept by ``worker.inference``)
     _inboxes: dict[str, asyncio.Queue]
+    caches: CacheManager
     push_sender: PushSender | None
     pushes_sent: int
     push_failures: int
+    pushes_refused: int
+    pushes_dropped: int
 
     async def rpc_push(
         self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
     ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
         """Steps pushed by a previous server of a chain, one message each, over one long-lived stream;
-        each goes into its session's inbox. Ends with a count of the accepted ones."""
+        each goes into its session's inbox. A refused step is answered with its typed error at once (the
+        pusher need not read them: unread answers stop this stream, nobody else's); the stream ends with
+        a count of the accepted ones."""
         accepted = 0
         async for request in requests:
-            accepted += self.accept_push(request)
+            try:
+                accepted += self.accept_push(request)
+            except (RemoteError, ValueError) as e:
+                self.pushes_refused += 1
+                yield protocol.make_response(error=self._wire_error(e))
         yield protocol.make_response(accepted=accepted)
 
     def accept_push(self, request: runtime_pb2.ExpertRequest) -> bool:
-        """Queue a pushed step into its session's stream; False if the session or the message is unusable."""
+        """Queue a pushed step into its session's inbox: False if that is full (pushes only save a hop, the
+        client's own copy follows); a typed error if the step is malformed or the sender lacks the push
+        token the session was opened with (knowing a session id is not enough to steer it)."""
+        metadata = self._unpack(request.metadata)
+        session_id, step_id = metadata.get("session_id"), metadata.get("step_id")
+        if not isinstance(step_id, str) or len(step_id) > MAX_STEP_ID_CHARS:
+            raise InvalidInputError(f"a pushed step needs a step_id string of at most {MAX_STEP_ID_CHARS} chars")
+        inbox = self._inboxes.get(session_id) if isinstance(session_id, str) else None
+        cache = self.caches.sessions.get(session_id) if inbox is not None else None
+        if cache is None or not token_matches(metadata.get("push_token"), cache.push_digest):
+            raise SessionAccessError(
+                f"no open session {str(session_id)[:80]!r} here accepts pushes without its push token"
+            )
+        self._check_compression_out(metadata)
+        tensors = self._deserialize(request.tensors, max_count=1)
         try:
-            metadata = self._unpack(request.metadata)
-            inbox = self._inboxes.get(str(metadata.get("session_id")))
-            if inbox is None or not isinstance(metadata.get("step_id"), str):
-                return False
-            tensors = self._deserialize(request.tensors, max_count=1)
-        except (RemoteError, ValueError):
+            inbox.put_nowait(("push", (tensors, metadata)))
+        except asyncio.QueueFull:
+            self.pushes_dropped += 1
             return False
-        inbox.put_nowait(("push", (tensors, metadata)))
         return True
 
     def _push_next(self, out: torch.Tensor, metadata: dict, pushes: dict[str, PushStream]) -> None:
@@ -80,6 +103,7 @@ class ServerPush(WireChecks):
                 [out],
                 compression=metadata.get("compression_out", "none"),
                 session_id=session_id,
+                push_token=target.get("push_token"),
                 step_id=metadata.get("step_id"),
                 position=metadata.get("position"),
                 push_chain=chain[1:],

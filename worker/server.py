@@ -31,12 +31,14 @@ from swarm_client.dht_records import (
 )
 from swarm_client.families import get_family
 from swarm_client.model_source import resolve_model_path
+from swarm_client.protocol import MAX_STEP_TOKENS
 from worker.announce import declare_span
 from worker.block_selection import choose_best_blocks
 from worker.cache import CacheManager
 from worker.compute import SpanRunner
 from worker.handler import BlockHandler, HandlerLimits
 from worker.loading import load_blocks, resolve_dtype
+from worker.message_cap import DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_MAX_RECEIVING_BYTES, install_message_cap
 from worker.metrics import WorkerMetrics
 from worker.rebalance import (
     HandlerSwitch,
@@ -48,6 +50,7 @@ from worker.rebalance import (
     tombstone,
 )
 from worker.throughput import measure_throughput
+from worker.uploads import DEFAULT_UPLOAD_BUDGET
 
 logger = logging.getLogger("swarmserve.worker")
 #: a push stream that cannot be opened within this is given up (the client's own copies still arrive)
@@ -81,12 +84,18 @@ class WorkerConfig:
     max_sessions: int = 4096
     #: one serialized tensor may not exceed this (checked on the wire, before deserializing)
     max_tensor_bytes: int = 256 * 2**20
+    #: one inference step may carry at most this many tokens (batch × length; clients split prefills)
+    max_step_tokens: int = MAX_STEP_TOKENS
+    #: one stream message may not exceed this, checked on its header before hivemind reads it (worker/message_cap.py)
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+    #: bytes of forward/backward uploads held at once, all requests together (worker/uploads.py)
+    max_upload_bytes: int = DEFAULT_UPLOAD_BUDGET
     #: a ``--num-blocks`` server moves only if that makes the weakest block this much stronger
     #: (``current_min < balance_quality * new_min``; see ``worker.block_selection``)
     balance_quality: float = 0.75
     #: seconds (jittered ±50%) between balance checks of a ``--num-blocks`` server; 0 disables moving
     rebalance_period: float = 60.0
-    #: test-only: "KIND[:AFTER_STEPS]" with KIND in nan, hang, wrong-shape
+    #: test-only: "KIND[:AFTER_STEPS]" with KIND in nan, hang, wrong-shape, noise, slow
     fault: str | None = None
     #: serve Prometheus metrics on ``host:metrics_port`` (worker/metrics.py); 0 = off
     metrics_port: int = 0
@@ -132,6 +141,9 @@ class BlockServer:
 
         self.handler = await self._build_handler(self.start, self.end)
         self.switch = HandlerSwitch(self.handler)
+        install_message_cap(
+            self.cfg.max_message_bytes, max(DEFAULT_MAX_RECEIVING_BYTES, 4 * self.cfg.max_message_bytes)
+        )
         p2p = await self.dht.replicate_p2p()
         self._p2p = p2p
         await self.switch.add_p2p_handlers(p2p)
@@ -202,7 +214,12 @@ class BlockServer:
             self.throughput = cfg.throughput or await asyncio.to_thread(
                 measure_throughput, runner, self.config.hidden_size, layout, self.dtype, self.device
             )
-        limits = HandlerLimits(idle_timeout=cfg.idle_timeout, max_tensor_bytes=cfg.max_tensor_bytes)
+        limits = HandlerLimits(
+            idle_timeout=cfg.idle_timeout,
+            max_tensor_bytes=cfg.max_tensor_bytes,
+            max_step_tokens=cfg.max_step_tokens,
+            max_upload_bytes=cfg.max_upload_bytes,
+        )
         handler = BlockHandler(runner, caches, self.config.hidden_size, start, end, self._info, limits)
         handler.metrics = self.metrics
         handler.push_sender = self._push

@@ -9,7 +9,7 @@ is allocated for them.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import AsyncIterator  # noqa: UP035 - hivemind detects streams by typing.AsyncIterator only
 
 import torch
@@ -34,8 +34,12 @@ class HandlerLimits:
         max_forward_tokens: int = 16384,
         max_tensor_bytes: int = 256 * 2**20,
         idle_timeout: float = 300.0,
+        max_step_tokens: int = protocol.MAX_STEP_TOKENS,
+        max_upload_bytes: int = 1024 * 2**20,
     ):
+        self.max_upload_bytes = max_upload_bytes
         self.max_batch_size = max_batch_size
+        self.max_step_tokens = max_step_tokens
         self.max_forward_tokens = max_forward_tokens
         self.max_tensor_bytes = max_tensor_bytes
         self.idle_timeout = idle_timeout
@@ -114,9 +118,13 @@ class WireChecks:
             raise InvalidInputError(f"malformed metadata: {type(e).__name__}") from e
 
     async def _gather(
-        self, requests: AsyncIterator[runtime_pb2.ExpertRequest], max_count: int
+        self,
+        requests: AsyncIterator[runtime_pb2.ExpertRequest],
+        max_count: int,
+        hold: Callable[[int], None] | None = None,
     ) -> tuple[list[torch.Tensor], dict]:
-        """Like ``protocol.gather_message``, but stops reading as soon as the request outgrows the limits."""
+        """Like ``protocol.gather_message``, but stops reading as soon as the request outgrows the limits;
+        ``hold(n)`` is told of every ``n`` bytes that arrive (and may refuse them)."""
         metadata: dict | None = None
         done: list[runtime_pb2.Tensor] = []
         parts: list[runtime_pb2.Tensor] = []
@@ -133,6 +141,8 @@ class WireChecks:
                         raise InvalidInputError(f"expected at most {max_count} tensor(s)")
                     self._check_wire_tensor(part, complete=False)
                 received += len(part.buffer)
+                if hold is not None:
+                    hold(len(part.buffer))
                 if received > budget:
                     raise InvalidInputError(f"request of over {budget} bytes exceeds the server's limit")
                 parts.append(part)
@@ -180,6 +190,23 @@ class WireChecks:
         if not torch.isfinite(prompts).all():
             raise InvalidInputError("prompts contain NaN or inf")
         return prompts
+
+    def _check_step_size(self, hidden: torch.Tensor) -> None:
+        tokens, limit = hidden.shape[0] * hidden.shape[1], self.limits.max_step_tokens
+        if tokens > limit:
+            raise InvalidInputError(
+                f"a step of {tokens} tokens (batch × length) exceeds this server's limit of {limit} per step; "
+                "split the prefill into several steps"
+            )
+
+    @staticmethod
+    def _check_compression_out(metadata: dict) -> None:
+        for key in ("compression", "compression_out"):
+            value = metadata.get(key, "none")
+            if value not in protocol.COMPRESSIONS:
+                raise InvalidInputError(
+                    f"{key} must be one of {sorted(protocol.COMPRESSIONS)}, got {str(value)[:40]!r}"
+                )
 
     def _check_forward_size(self, hidden: torch.Tensor) -> None:
         if hidden.shape[0] * hidden.shape[1] > self.limits.max_forward_tokens:

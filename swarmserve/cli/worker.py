@@ -12,6 +12,11 @@ DTYPES = ["auto", "float32", "bfloat16", "float16"]
 #: worker.cpu_kernels.CPU_KERNELS, repeated so ``--help`` does not import torch (a test keeps them equal)
 CPU_KERNELS = ["auto", "panels", "onednn", "torch"]
 FAULTS = "nan, hang, wrong-shape, noise, slow"
+#: protocol.MAX_STEP_TOKENS, message_cap.DEFAULT_MAX_MESSAGE_BYTES, uploads.DEFAULT_UPLOAD_BUDGET (repeated for the
+#: same reason; tests/test_worker_hostile_units.py keeps them equal)
+MAX_STEP_TOKENS = 1024
+MAX_MESSAGE_BYTES = 64 * 2**20
+MAX_UPLOAD_BYTES = 1024 * 2**20
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -43,6 +48,24 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--max-tensor-bytes", type=int, default=256 * 2**20, help="reject larger tensors before decoding them"
+    )
+    p.add_argument(
+        "--max-step-tokens",
+        type=int,
+        default=MAX_STEP_TOKENS,
+        help="tokens (batch x length) one inference step may carry",
+    )
+    p.add_argument(
+        "--max-message-bytes",
+        type=int,
+        default=MAX_MESSAGE_BYTES,
+        help="drop a stream whose next message announces more bytes than this, before reading it",
+    )
+    p.add_argument(
+        "--max-upload-bytes",
+        type=int,
+        default=MAX_UPLOAD_BYTES,
+        help="bytes of forward/backward uploads held at once; past this requests are answered busy",
     )
     add_listen_flags(p, "the server's libp2p transport", 0)
     p.add_argument("--dht-prefix", default=None, help="DHT namespace (default: the model's basename)")
@@ -95,6 +118,9 @@ def run(args: argparse.Namespace, rest: list[str]) -> int:
             max_sessions=args.max_sessions,
             max_sessions_per_peer=args.max_sessions_per_peer,
             max_tensor_bytes=args.max_tensor_bytes,
+            max_step_tokens=args.max_step_tokens,
+            max_message_bytes=args.max_message_bytes,
+            max_upload_bytes=args.max_upload_bytes,
             host=args.host,
             port=args.port,
             dht_prefix=args.dht_prefix,
