@@ -132,7 +132,10 @@ class InferenceSession:
             await self._build_chain(0, self.start, self.end)
         chunk = max(
             1,
-            protocol.MAX_STEP_BYTES // max(1, hidden[0, 0].numel() * hidden.element_size() * self.batch_size),
+            min(
+                protocol.MAX_STEP_BYTES // max(1, hidden[0, 0].numel() * hidden.element_size() * self.batch_size),
+                protocol.MAX_STEP_TOKENS // self.batch_size,
+            ),
         )
         outputs = []
         for offset in range(0, length, chunk):
