@@ -170,32 +170,37 @@ class SpotCheck:
         )
 
 
-async def spot_check(
-    manager: SequenceManager,
-    hop: RouteHop,
-    history: HistoryBuffer,
-    x: torch.Tensor,
-    out: torch.Tensor,
-    position: int,
-) -> SpotCheck | None:
-    """With probability ``spot_check_rate``, recompute ``hop``'s step (input ``x`` at ``position``, output
-    ``out``) on other servers holding the same blocks: a stateless forward over the hop's whole input
-    history. None when no check ran (not drawn, unknown history, nobody else, or the checker failed)."""
+class PendingSpotCheck:
+    """A spot check under way: ``checkers`` recompute ``hop``'s step while the hop computes it itself, so on
+    separate machines a check costs the client little more than the step's own wait."""
+
+    def __init__(
+        self, manager: SequenceManager, hop: RouteHop, checkers: list[RouteHop], full: torch.Tensor, length: int
+    ):
+        self.hop = hop
+        self.checkers = checkers
+        self._task = asyncio.create_task(_reference(manager, checkers, full, length))
+
+    async def result(self, out: torch.Tensor) -> SpotCheck | None:
+        """How far ``out`` (the hop's answer) is from the checkers'; None when the checkers failed."""
+        reference = await self._task
+        if reference is None:
+            return None
+        reference = reference.to(out.dtype)
+        difference = float((out - reference).norm() / reference.norm().clamp_min(1e-6))
+        return SpotCheck(self.hop, self.checkers, difference)
+
+    def cancel(self) -> None:
+        self._task.cancel()
+
+
+async def _reference(
+    manager: SequenceManager, checkers: list[RouteHop], full: torch.Tensor, length: int
+) -> torch.Tensor | None:
+    """The checkers' output for the last ``length`` positions of ``full``; None if a checker failed or sent
+    something malformed (a broken checker proves nothing about the checked step)."""
     from swarm_client.remote_sequential import _call_stream  # local import: that module imports session
 
-    rate = manager.config.spot_check_rate
-    if rate <= 0 or random.random() >= rate or history.unknown:
-        return None
-    prefix = history.read(position)
-    full = x if prefix is None else torch.cat([prefix, x], 1)
-    try:
-        # the checker sees the hop's inputs: the trust policy applies to it as to the hop itself
-        options = manager.route_options()
-        checkers = find_route(
-            manager.spans, hop.start, hop.end, **{**options, "banned": options["banned"] | {hop.peer_id}}
-        )
-    except NoRouteError:
-        return None  # nobody else holds these blocks: nothing to compare with
     reference = full
     try:
         for checker in checkers:
@@ -207,10 +212,30 @@ async def spot_check(
                 start_block=checker.start,
                 end_block=checker.end,
             )
-    except (PeerError, RemoteError):
-        return None  # the checker failed; the step itself is not suspect
+    except (PeerError, RemoteError, ValueError):
+        return None
     if reference.shape != full.shape or not torch.isfinite(reference).all():
-        return None  # a broken checker proves nothing about the step
-    reference = reference[:, -x.shape[1] :].to(out.dtype)
-    difference = float((out - reference).norm() / reference.norm().clamp_min(1e-6))
-    return SpotCheck(hop, checkers, difference)
+        return None
+    return reference[:, -length:]
+
+
+def start_spot_check(
+    manager: SequenceManager, hop: RouteHop, history: HistoryBuffer, x: torch.Tensor, position: int
+) -> PendingSpotCheck | None:
+    """With probability ``spot_check_rate``, start recomputing ``hop``'s step (input ``x`` at ``position``) on
+    other servers holding the same blocks: a stateless forward over the hop's whole input history, running
+    while the hop computes. None when no check runs (not drawn, unknown history, nobody else holds them)."""
+    rate = manager.config.spot_check_rate
+    if rate <= 0 or random.random() >= rate or history.unknown:
+        return None
+    try:
+        # the checker sees the hop's inputs: the trust policy applies to it as to the hop itself
+        options = manager.route_options()
+        checkers = find_route(
+            manager.spans, hop.start, hop.end, **{**options, "banned": options["banned"] | {hop.peer_id}}
+        )
+    except NoRouteError:
+        return None  # nobody else holds these blocks: nothing to compare with
+    prefix = history.read(position)
+    full = x if prefix is None else torch.cat([prefix, x], 1)
+    return PendingSpotCheck(manager, hop, checkers, full, x.shape[1])

@@ -23,7 +23,7 @@ from swarm_client.errors import (
     SessionLost,
     SessionNotFoundError,
 )
-from swarm_client.failover import CALLER_ERRORS, open_span, replace_span, spot_check
+from swarm_client.failover import CALLER_ERRORS, PendingSpotCheck, open_span, replace_span, start_spot_check
 from swarm_client.history import HistoryBuffer
 from swarm_client.routing import RouteHop
 from swarm_client.sequence_manager import SequenceManager
@@ -198,14 +198,24 @@ class InferenceSession:
         while index < len(self._hops):
             hop = self._hops[index]
             chain = [{"peer_id": h.hop.peer_id, "session_id": h.session_id} for h in self._hops[index + 1 :]]
+            # a spot check starts with the step: its checkers compute while the hop does
+            check = (
+                None
+                if output_hidden_states
+                else start_spot_check(self.manager, hop.hop, self._history[index], x, position)
+            )
             try:
-                t0 = time.perf_counter()
-                out = await hop.step(
-                    x, position, self.manager.config.step_timeout, output_hidden_states, step_id, chain
-                )
-                self.manager.record_step(hop.hop.peer_id, hop.hop.length, x.shape[1], time.perf_counter() - t0)
-                if not output_hidden_states:
-                    await self._spot_check(index, hop.hop, x, out, position)
+                try:
+                    t0 = time.perf_counter()
+                    out = await hop.step(
+                        x, position, self.manager.config.step_timeout, output_hidden_states, step_id, chain
+                    )
+                    self.manager.record_step(hop.hop.peer_id, hop.hop.length, x.shape[1], time.perf_counter() - t0)
+                    if check is not None:
+                        await self._spot_check(check, out)
+                finally:
+                    if check is not None:
+                        check.cancel()  # no-op once it has finished
             except CALLER_ERRORS:
                 raise
             except (PeerError, RemoteError) as e:
@@ -225,10 +235,10 @@ class InferenceSession:
             index += 1
         return torch.cat(states, 0) if output_hidden_states else x
 
-    async def _spot_check(self, index: int, hop: RouteHop, x: torch.Tensor, out: torch.Tensor, position: int) -> None:
-        """Maybe spot-check this step (``failover.spot_check``) and treat a disagreement as a fault of the
-        checked server: it is banned and its span re-routed, as for NaN or a wrong shape."""
-        check = await spot_check(self.manager, hop, self._history[index], x, out, position)
+    async def _spot_check(self, pending: PendingSpotCheck, out: torch.Tensor) -> None:
+        """Compare the step's output with the spot check's (``failover.start_spot_check``) and treat a
+        disagreement as a fault of the checked server: it is banned and its span re-routed, as for NaN."""
+        check = await pending.result(out)
         if check is None:
             return
         self.spot_checks += 1
