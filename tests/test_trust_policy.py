@@ -4,11 +4,17 @@ text) — over real workers, through the gateway's backend, and in the command l
 from __future__ import annotations
 
 import argparse
+import asyncio
 
 import pytest
 import torch
 
 from swarm_client import NoRouteError, runtime
+from swarm_client.dht_records import RemoteSpanInfo, ServerInfo, ServerState
+from swarm_client.failover import start_spot_check
+from swarm_client.history import HistoryBuffer
+from swarm_client.routing import RouteHop
+from swarm_client.sequence_manager import ClientConfig, SequenceManager
 from tests.swarm_fixtures import Swarm
 
 PROMPT = torch.tensor([[3, 14, 15, 92, 65]])
@@ -29,6 +35,56 @@ def test_trusted_peers_flag_and_env_reach_the_client_options(monkeypatch):
     monkeypatch.delenv("SWARMSERVE_TRUSTED_PEERS")
     args = parser.parse_args([])
     assert "trusted_peers" not in client_options(args, GatewaySettings(**trust_settings(args)))
+
+
+def span(peer_id: str, start: int, end: int, throughput: float = 100.0) -> RemoteSpanInfo:
+    info = ServerInfo(
+        state=ServerState.ONLINE, start_block=start, end_block=end, throughput=throughput, cache_tokens_left=10_000
+    )
+    return RemoteSpanInfo(peer_id, start, end, info)
+
+
+def manager_over(*spans: RemoteSpanInfo, **options) -> SequenceManager:
+    """A manager whose swarm view is always ``spans`` (no DHT read; the DHT object is never touched)."""
+    config = ClientConfig(initial_peers=[], dht_prefix="m", num_blocks=4, trusted_peers=["T1", "T2"], **options)
+    manager = SequenceManager(config, dht=object())
+    manager.spans = {s.peer_id: s for s in spans}
+    manager.rtt = dict.fromkeys(manager.spans, 0.001)
+
+    async def update(force: bool = False, max_age: float | None = None) -> dict[str, RemoteSpanInfo]:
+        return manager.spans  # the DHT never changes here
+
+    manager.update = update
+    return manager
+
+
+def test_a_replacement_of_the_first_span_is_trusted_too():
+    """``failover.replace_span`` routes the failed hop's span through ``make_route``: same policy."""
+    manager = manager_over(span("T1", 0, 4, 10), span("T2", 0, 2, 10), span("U", 0, 4, 1000))
+    assert runtime.run(manager.make_route(0, 2))[0].peer_id in {"T1", "T2"}
+    manager.ban("T1", "test: failed")
+    assert runtime.run(manager.make_route(0, 2))[0].peer_id == "T2"
+    assert runtime.run(manager.make_route(1, 3)) == [RouteHop("U", 1, 3)]  # the middle: anyone
+    manager.ban("T2", "test: failed")
+    with pytest.raises(NoRouteError, match="block 0.*--trusted-peers"):
+        runtime.run(manager.make_route(0, 2))
+
+
+def test_spot_checkers_of_an_end_block_are_trusted():
+    async def checkers(manager: SequenceManager, hop: RouteHop) -> list[str] | None:
+        check = start_spot_check(manager, hop, HistoryBuffer(), torch.zeros(1, 1, 8), 0)
+        if check is None:
+            return None
+        check.cancel()
+        return [c.peer_id for c in check.checkers]
+
+    hop = RouteHop("T1", 0, 4)
+    manager = manager_over(span("T1", 0, 4), span("U", 0, 4, 1000), span("T2", 0, 4), spot_check_rate=1.0)
+    route = asyncio.run(checkers(manager, hop))
+    assert route[0] == route[-1] == "T2" and set(route) <= {"T2", "U"}  # ends trusted, the middle: anyone
+    manager = manager_over(span("T1", 0, 4), span("U", 0, 4, 1000), spot_check_rate=1.0)
+    assert asyncio.run(checkers(manager, hop)) is None  # only an untrusted server could check: no check
+    assert asyncio.run(checkers(manager, RouteHop("T1", 1, 3))) == ["U"]  # the middle blocks: anyone
 
 
 def greedy(model) -> tuple[list[int], list]:
