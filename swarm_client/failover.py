@@ -181,9 +181,13 @@ class PendingSpotCheck:
         self.checkers = checkers
         self._task = asyncio.create_task(_reference(manager, checkers, full, length))
 
-    async def result(self, out: torch.Tensor) -> SpotCheck | None:
-        """How far ``out`` (the hop's answer) is from the checkers'; None when the checkers failed."""
-        reference = await self._task
+    async def result(self, out: torch.Tensor, timeout: float) -> SpotCheck | None:
+        """How far ``out`` (the hop's answer) is from the checkers'; None when the checkers failed or took
+        more than ``timeout`` seconds longer than the hop (a stalling checker must not stall the session)."""
+        try:
+            reference = await asyncio.wait_for(self._task, timeout)
+        except TimeoutError:
+            return None
         if reference is None:
             return None
         reference = reference.to(out.dtype)

@@ -70,6 +70,8 @@ class ClientConfig:
     spot_check_rate: float = DEFAULT_SPOT_CHECK_RATE
     #: relative L2 difference above which a spot-checked server is considered wrong (bfloat16 servers ≈ 1e-2)
     spot_check_tolerance: float = 5e-2
+    #: how long a step waits for its spot check after the checked server answered; a later check is dropped
+    spot_check_wait: float = 2.0
     compression: str = "none"
     #: server-to-server push: each server also sends its output straight to the next server of the chain,
     #: which starts computing before the client's own copy arrives (that copy still goes, as a fallback)

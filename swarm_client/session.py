@@ -238,7 +238,7 @@ class InferenceSession:
     async def _spot_check(self, pending: PendingSpotCheck, out: torch.Tensor) -> None:
         """Compare the step's output with the spot check's (``failover.start_spot_check``) and treat a
         disagreement as a fault of the checked server: it is banned and its span re-routed, as for NaN."""
-        check = await pending.result(out)
+        check = await pending.result(out, self.manager.config.spot_check_wait)
         if check is None:
             return
         self.spot_checks += 1

@@ -3,11 +3,14 @@ effective throughputs, and a real Sybil worker announcing 1e9 tok/s while holdin
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 import torch
 
 from swarm_client import AutoDistributedModelForCausalLM, runtime
 from swarm_client.dht_records import RemoteSpanInfo, ServerInfo, ServerState
+from swarm_client.failover import PendingSpotCheck
 from swarm_client.routing import RouteHop, find_route
 from swarm_client.sequence_manager import ClientConfig, SequenceManager
 from swarm_client.step_times import StepTimes
@@ -85,6 +88,24 @@ def test_manager_takes_the_rtt_off_a_step_time():
 def test_trusted_peers_accept_a_comma_separated_string():
     assert manager(trusted_peers="A, B,A").trusted_peers == ["A", "B"]
     assert manager(trusted_peers=["A,B", "C"]).route_options()["trusted"] == ["A", "B", "C"]
+
+
+# --- spot checks ----------------------------------------------------------------------------------------
+
+
+def test_a_stalling_spot_checker_is_dropped_not_waited_for():
+    async def run() -> tuple[object, object]:
+        check = PendingSpotCheck.__new__(PendingSpotCheck)
+        check.hop, check.checkers = RouteHop("A", 0, 4), [RouteHop("B", 0, 4)]
+        check._task = asyncio.create_task(asyncio.sleep(3600))  # a checker that never answers
+        stalled = await check.result(torch.ones(1, 1, 4), timeout=0.05)
+        check._task = asyncio.create_task(asyncio.sleep(0, torch.ones(1, 1, 4) * 2))
+        answered = await check.result(torch.ones(1, 1, 4), timeout=1.0)
+        return stalled, answered
+
+    stalled, answered = asyncio.run(run())
+    assert stalled is None
+    assert answered.difference == pytest.approx(0.5) and answered.checkers == [RouteHop("B", 0, 4)]
 
 
 # --- a real Sybil ---------------------------------------------------------------------------------------
