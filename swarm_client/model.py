@@ -42,9 +42,7 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
     main_input_name = "input_ids"
     _supports_cache_class = False
 
-    def __init__(
-        self, config: PretrainedConfig, family: Family, head: torch.nn.Module, manager: SequenceManager
-    ):
+    def __init__(self, config: PretrainedConfig, family: Family, head: torch.nn.Module, manager: SequenceManager):
         super().__init__(config)
         self.family = family
         self.head = head
@@ -153,9 +151,7 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
         if (input_ids is None) == (inputs_embeds is None):
             raise InvalidInputError("pass exactly one of input_ids or inputs_embeds")
         if attention_mask is not None and not bool(attention_mask.bool().all()):
-            raise InvalidInputError(
-                "padding (attention_mask with zeros) is not supported; use equal-length rows"
-            )
+            raise InvalidInputError("padding (attention_mask with zeros) is not supported; use equal-length rows")
         hidden = self.head.embed(input_ids) if inputs_embeds is None else self.head.embed_inputs(inputs_embeds)
         session = session or self._active_session
         if session is not None and prompts is not None:
@@ -202,9 +198,7 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
         if inputs_embeds is not None and session.position == 0:
             self._generation_prefix = inputs_embeds.shape[1]
             return {"inputs_embeds": inputs_embeds, "session": session, **self._passthrough(kwargs)}
-        wanted = [(EMBEDDING_POSITION,) * input_ids.shape[0]] * prefix + [
-            tuple(c) for c in input_ids.T.tolist()
-        ]
+        wanted = [(EMBEDDING_POSITION,) * input_ids.shape[0]] * prefix + [tuple(c) for c in input_ids.T.tolist()]
         common = 0
         held = session.token_ids
         while common < min(len(held), len(wanted)) and held[common] == wanted[common]:
@@ -222,9 +216,7 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
     _generation_prefix = 0
 
     @torch.no_grad()
-    def generate(
-        self, inputs: torch.Tensor | None = None, *args, session: InferenceSession | None = None, **kwargs
-    ):
+    def generate(self, inputs: torch.Tensor | None = None, *args, session: InferenceSession | None = None, **kwargs):
         """🤗 ``generate`` over the swarm; opens a session sized for the request unless one is active."""
         kwargs["use_cache"] = False  # the servers hold the cache; 🤗 must not build its own
         self._generation_prefix = 0
@@ -248,7 +240,8 @@ class AutoDistributedModelForCausalLM:
     """Entry point mirroring ``AutoModelForCausalLM``: picks the family from the checkpoint's config."""
 
     @staticmethod
-    def from_pretrained(
-        name_or_path: str, initial_peers: list[str] | str, **kwargs
-    ) -> DistributedModelForCausalLM:
+    def from_pretrained(name_or_path: str, initial_peers: list[str] | str, **kwargs) -> DistributedModelForCausalLM:
+        """Load the local head of ``name_or_path`` and join the swarm at ``initial_peers``; other keywords are
+        ``ClientConfig`` options, e.g. ``trusted_peers=[peer ids]`` (the only servers allowed to run the first
+        and the last block) or ``spot_check_rate=0`` (no spot checks)."""
         return DistributedModelForCausalLM.from_pretrained(name_or_path, initial_peers, **kwargs)
