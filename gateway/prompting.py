@@ -23,7 +23,7 @@ from gateway.backend import ModelBackend
 from gateway.detokenize import TokenVocab
 from gateway.errors import ContextLengthExceededError, InvalidRequestError, ModelNotFoundError
 from gateway.settings import GatewaySettings
-from gateway.tokenize_thread import TokenizeThread
+from gateway.tokenize_thread import TokenizeThread, encode_lazily
 from gateway.tool_formats import TOOL_FORMATS, ToolFormat, detect_tool_format
 from swarm_client.dht_records import PROTOCOL_VERSION
 
@@ -117,9 +117,15 @@ class PromptRules:
             self._special_ids[text] = await self.tokenize.run(self.special_token_id_sync, text)
         return self._special_ids[text]
 
-    async def render_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
+    async def render_chat(
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None = None,
+        *,
+        requested: int | None = None,
+    ) -> list[int]:
         """``render_chat_sync`` on the tokenize thread."""
-        return await self.tokenize.run(self.render_chat_sync, messages, tools)
+        return await self.tokenize.run(self.render_chat_sync, messages, tools, requested=requested)
 
     # ----------------------------------------------------------------- on the tokenize thread (tokenize.run)
 
@@ -130,9 +136,18 @@ class PromptRules:
             return None
         return int(ids[0])
 
-    def render_chat_sync(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
+    def render_chat_sync(
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None = None,
+        *,
+        requested: int | None = None,
+        param: str = "messages",
+    ) -> list[int]:
         """Messages → prompt ids through the tokenizer's chat template, ending with the assistant's turn;
-        ``tools`` (OpenAI's shape) go to templates that render them (gateway/tool_calling.py)."""
+        ``tools`` (OpenAI's shape) go to templates that render them (gateway/tool_calling.py). A prompt
+        longer than the context window is ``max_tokens_for``'s 400 (with ``requested``) before its ids
+        are made."""
         tokenizer = self.tokenize.own()
         if not getattr(tokenizer, "chat_template", None):
             raise InvalidRequestError("This model has no chat template; use /v1/completions instead.", param="messages")
@@ -142,10 +157,17 @@ class PromptRules:
         except Exception as exc:  # jinja raises TemplateError for conversations the template refuses
             raise InvalidRequestError(f"The chat template rejected these messages: {exc}", param="messages") from None
         # the template already wrote BOS and every special token it wants
-        return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+        return self._ids(text, add_special_tokens=False, requested=requested, param=param)
 
-    def encode_sync(self, text: str) -> list[int]:
-        return list(self.tokenize.own()(text, add_special_tokens=True)["input_ids"])
+    def encode_sync(self, text: str, *, requested: int | None = None, param: str = "prompt") -> list[int]:
+        """``text``'s ids (BOS and all); like ``render_chat_sync``, an overlong text is a 400 first."""
+        return self._ids(text, add_special_tokens=True, requested=requested, param=param)
+
+    def _ids(self, text: str, *, add_special_tokens: bool, requested: int | None, param: str) -> list[int]:
+        count, ids = encode_lazily(self.tokenize.own(), text, add_special_tokens=add_special_tokens)
+        if count > self.backend.max_context:
+            self.max_tokens_for(count, requested, param=param)  # raises: no budget fits
+        return ids()
 
     def decode_sync(self, ids: Sequence[int]) -> str:
         tokenizer = self.tokenize.own()

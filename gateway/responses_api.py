@@ -107,9 +107,10 @@ class _Turn:
         head = [{"role": "system", "content": self.req.instructions}] if self.req.instructions else []
         turns = list(self.conversation)
         while True:
-            prompt = engine.render_chat_sync(head + turns)
+            requested = self.req.max_output_tokens
             try:
-                return prompt, engine.max_tokens_for(len(prompt), self.req.max_output_tokens, param="input")
+                prompt = engine.render_chat_sync(head + turns, requested=requested, param="input")
+                return prompt, engine.max_tokens_for(len(prompt), requested, param="input")
             except ContextLengthExceededError:
                 droppable = [i for i, m in enumerate(turns[:-1]) if m["role"] != "system"]
                 if self.req.truncation != "auto" or not droppable:

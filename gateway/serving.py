@@ -68,8 +68,9 @@ async def create_chat_completion(engine: Engine, req: ChatCompletionRequest, req
     top_k = (req.top_logprobs or 0) if req.logprobs else None
 
     # the tokenize thread (gateway/tokenize_thread.py): a prompt of megabytes must not hold the event loop
-    prompt = await engine.render_chat(messages, tools.tools if tools is not None and fmt.native else None)
     requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    native_tools = tools.tools if tools is not None and fmt.native else None
+    prompt = await engine.render_chat(messages, native_tools, requested=requested)
     max_tokens = engine.max_tokens_for(len(prompt), requested, param="messages")
     stop = stop_list(req.stop)
     grammar = await _chat_grammar(engine, req, tools)
@@ -140,7 +141,7 @@ async def create_completion(engine: Engine, req: CompletionRequest, request: Req
     if req.echo and req.stream:
         raise UnsupportedParameterError("echo", "is not supported together with stream")
     check_stream_options(req.stream, req.stream_options)
-    prompts = await engine.tokenize.run(_completion_prompts, engine, req.prompt)  # off the event loop
+    prompts = await engine.tokenize.run(_completion_prompts, engine, req.prompt, req.max_tokens)  # off the event loop
     n = req.n or 1
     count_choices(engine, n, len(prompts))
     stop = stop_list(req.stop)
@@ -255,7 +256,7 @@ def _reply(result: ChoiceResult, tools: ToolPlan | None) -> tuple[ChatCompletion
 
 
 def _completion_prompts(
-    engine: Engine, prompt: str | list[str] | list[int] | list[list[int]]
+    engine: Engine, prompt: str | list[str] | list[int] | list[list[int]], requested: int | None
 ) -> list[tuple[list[int], str]]:
     """Every accepted shape of ``prompt`` → ``[(token ids, text to echo)]``; on the tokenize thread."""
     # isinstance cannot narrow a union of list types by their items: the casts say what the checks found
@@ -273,7 +274,7 @@ def _completion_prompts(
     for i, item in enumerate(items):
         where = "prompt" if len(items) == 1 else f"prompt[{i}]"
         if isinstance(item, str):
-            ids, text = engine.encode_sync(item), item
+            ids, text = engine.encode_sync(item, requested=requested), item
         else:
             bad = [t for t in item if not 0 <= t < vocab]
             if bad:

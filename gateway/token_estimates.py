@@ -9,6 +9,8 @@ import json
 from pathlib import Path
 from typing import Any, Protocol
 
+from gateway.tokenize_thread import encode_lazily
+
 __all__ = [
     "CHAT_PATH",
     "CL100K_PATTERN",
@@ -38,13 +40,14 @@ class TokenCounter(Protocol):
 
 
 class ModelTokenCounter:
-    """Tokens as the served model counts them (what usage reports)."""
+    """Tokens as the served model counts them (what usage reports); the gateway counts on its tokenize
+    thread, with that thread's tokenizer (gateway/tokenize_thread.py)."""
 
     def __init__(self, tokenizer: Any):
         self.tokenizer = tokenizer
 
     def count(self, text: str) -> int:
-        return len(self.tokenizer(text, add_special_tokens=False)["input_ids"]) if text else 0
+        return encode_lazily(self.tokenizer, text, add_special_tokens=False)[0] if text else 0
 
 
 class TiktokenCounter:

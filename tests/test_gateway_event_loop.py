@@ -11,6 +11,7 @@ swarm on the swarm-view thread, one read at a time (gateway/swarm_view.py). No a
 from __future__ import annotations
 
 import asyncio
+import copy
 import json
 import threading
 import time
@@ -46,21 +47,47 @@ def _on_loop() -> bool:
     return True
 
 
+def _record(calls: list[Call], method: str, text: Any) -> None:
+    size = len(text) if isinstance(text, str) else sum(len(str(m)) for m in text or [])
+    calls.append(Call(method, threading.current_thread().name, _on_loop(), size))
+
+
+class _RustSpy:
+    """Stands for a tokenizer's Rust ``backend_tokenizer``: records its encodes, forwards everything."""
+
+    def __init__(self, inner: Any, calls: list[Call]):
+        self._inner, self._calls = inner, calls
+
+    def encode(self, text: Any, *args: Any, **kwargs: Any) -> Any:
+        _record(self._calls, "backend.encode", text)
+        return self._inner.encode(text, *args, **kwargs)
+
+    def encode_batch(self, texts: Any, *args: Any, **kwargs: Any) -> Any:
+        _record(self._calls, "backend.encode_batch", "".join(t if isinstance(t, str) else "" for t in texts))
+        return self._inner.encode_batch(texts, *args, **kwargs)
+
+    def __copy__(self) -> Any:  # llguidance copies it before changing its settings
+        return copy.copy(self._inner)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+
 @pytest.fixture
 def tokenizer_calls(monkeypatch: pytest.MonkeyPatch) -> list[Call]:
-    """Every encode / chat-template call of any instance of the tiny tokenizer's class, with its thread."""
+    """Every encode / chat-template call of any instance of the tiny tokenizer's class, and every encode
+    through its Rust ``backend_tokenizer``, with its thread."""
     calls: list[Call] = []
     cls = type(tiny_tokenizer())
     for name in SPIED:
         real = getattr(cls, name)
 
         def spy(self: Any, *args: Any, _real: Any = real, _name: str = name, **kwargs: Any) -> Any:
-            text = args[0] if args else kwargs.get("text", kwargs.get("conversation"))
-            size = len(text) if isinstance(text, str) else sum(len(str(m)) for m in text or [])
-            calls.append(Call(_name, threading.current_thread().name, _on_loop(), size))
+            _record(calls, _name, args[0] if args else kwargs.get("text", kwargs.get("conversation")))
             return _real(self, *args, **kwargs)
 
         monkeypatch.setattr(cls, name, spy)
+    monkeypatch.setattr(cls, "backend_tokenizer", property(lambda self: _RustSpy(self._tokenizer, calls)))
     return calls
 
 
@@ -135,7 +162,8 @@ def test_a_prompt_just_under_the_cap_is_tokenized_off_the_event_loop(
     with gw.http() as http:
         r = http.post("/v1/chat/completions", content=data, headers={"content-type": "application/json"}, timeout=300)
     assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text
-    assert max(c.size for c in tokenizer_calls) > CAP - 1024  # the whole prompt was tokenized: by the spy's
+    encodes = [c for c in tokenizer_calls if c.method in ("__call__", "encode", "backend.encode_batch")]
+    assert max(c.size for c in encodes) > CAP - 1024  # the whole prompt was tokenized, where the spies saw it
     _assert_off_loop(tokenizer_calls)
 
 
@@ -156,7 +184,7 @@ def test_every_prompt_shape_is_tokenized_off_the_event_loop(gw: Gateway, tokeniz
         model=gw.model, messages=[{"role": "user", "content": "Hi"}], max_tokens=2, tools=tools
     )
     methods = {c.method for c in tokenizer_calls}
-    assert {"__call__", "apply_chat_template"} <= methods, methods
+    assert "apply_chat_template" in methods and methods & {"__call__", "encode", "backend.encode_batch"}, methods
     _assert_off_loop(tokenizer_calls)
 
 
