@@ -10,7 +10,7 @@ through ``run``; ``own()`` hands the copy out only on this thread, so a slip is 
 race. One thread, not a pool: prompts wait their turn, and the copy is never shared.
 
 Even there, a thread only helps while the tokenizer lets go of the GIL: ``encode_lazily`` goes through the
-Rust tokenizer's ``encode_batch``, which does (its ``encode`` holds the GIL for the whole 10 s), and
+Rust tokenizer's ``encode_batch_fast``, which does (its ``encode`` holds the GIL for the whole 10 s), and
 counts tokens without making a Python int for each (turning 3.5 M ids into a list holds the GIL ~0.25 s,
 and a prompt longer than the context window needs only its count).
 """
@@ -78,7 +78,9 @@ def encode_lazily(tokenizer: Any, text: str, *, add_special_tokens: bool) -> tup
     if backend is None:
         ids = list(tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
         return len(ids), lambda: ids
-    (encoding,) = backend.encode_batch([text], add_special_tokens=add_special_tokens)
+    # without offsets: 2.4x faster on 8 MiB, and dropping the result holds the GIL 27 ms instead of 330
+    encode = getattr(backend, "encode_batch_fast", None) or backend.encode_batch
+    (encoding,) = encode([text], add_special_tokens=add_special_tokens)
     return len(encoding), lambda: list(encoding.ids)
 
 

@@ -24,7 +24,7 @@ import pytest
 
 from gateway import LocalBackend
 from gateway.swarm_view import SwarmView
-from gateway.tokenize_thread import TokenizeThread
+from gateway.tokenize_thread import TokenizeThread, encode_lazily
 from tests.gateway_fixtures import Gateway, start_gateway, tiny_model_dir, tiny_tokenizer
 
 CAP = 8 * 2**20  # the default settings.max_body_bytes
@@ -65,6 +65,10 @@ class _RustSpy:
     def encode_batch(self, texts: Any, *args: Any, **kwargs: Any) -> Any:
         _record(self._calls, "backend.encode_batch", "".join(t if isinstance(t, str) else "" for t in texts))
         return self._inner.encode_batch(texts, *args, **kwargs)
+
+    def encode_batch_fast(self, texts: Any, *args: Any, **kwargs: Any) -> Any:
+        _record(self._calls, "backend.encode_batch", "".join(t if isinstance(t, str) else "" for t in texts))
+        return self._inner.encode_batch_fast(texts, *args, **kwargs)
 
     def __copy__(self) -> Any:  # llguidance copies it before changing its settings
         return copy.copy(self._inner)
@@ -285,3 +289,20 @@ async def test_swarm_view_reads_a_backend_without_max_age_afresh() -> None:
         assert await view.get() == {"reads": 2}
     finally:
         view.close()
+
+
+@pytest.mark.parametrize("family", ["llama", "mixtral", "falcon", "bloom"])
+def test_encode_lazily_counts_and_encodes_as_the_tokenizer_does(family: str) -> None:
+    from swarm_client.tiny_model import build_tokenizer
+
+    tokenizer = build_tokenizer(family)
+    mine = TokenizeThread(tokenizer)
+    try:
+        texts = ["Hello there", " leading space", "ünïcödé 😀  spaces\n\nnew", "", "<|im_start|>user\nhi<|im_end|>"]
+        for text in texts:
+            for special in (True, False):
+                want = list(tokenizer(text, add_special_tokens=special)["input_ids"])
+                count, ids = encode_lazily(mine.tokenizer, text, add_special_tokens=special)
+                assert (count, ids()) == (len(want), want), (text, special)
+    finally:
+        mine.close()
