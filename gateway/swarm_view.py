@@ -4,7 +4,8 @@ loop (a DHT read blocks on the network), one read at a time, and answered from m
 Probes are unauthenticated and come in floods (load balancers, status pages, attackers): every probe that
 arrives while a read is in flight waits for that read instead of starting its own, and with a backend that
 can say how old its view may be (``swarm_state(max_age_s=...)``: the swarm backend) a view at most
-``STATE_MAX_AGE_S`` old answers without any read at all. A backend without that parameter (in-process,
+``STATE_MAX_AGE_S`` old answers without any read at all (half that age here, the other half the backend's:
+its own view is shared with routing). A backend without that parameter (in-process,
 tests' fakes) is read afresh for each probe that finds no read in flight. Failures are remembered like
 answers: a DHT that cannot be read is not asked again by every probe of the same interval.
 """
@@ -42,7 +43,7 @@ class SwarmView:
         """The swarm state, or the exception reading it raised."""
         loop = asyncio.get_running_loop()
         now = loop.time()
-        if self._last is not None and self.max_age_s > 0 and now - self._last[0] <= self.max_age_s:
+        if self._last is not None and self.max_age_s > 0 and now - self._last[0] <= self.max_age_s / 2:
             return self._last[1].result()
         if self._inflight is None:
             inflight = loop.run_in_executor(self._executor, self._read)
@@ -61,7 +62,7 @@ class SwarmView:
     def _read(self) -> dict[str, Any]:
         self.reads += 1
         if self.max_age_s > 0:
-            return self.backend.swarm_state(max_age_s=self.max_age_s)
+            return self.backend.swarm_state(max_age_s=self.max_age_s / 2)
         return self.backend.swarm_state()
 
     def close(self) -> None:
