@@ -341,12 +341,12 @@ class StreamLimitMiddleware:
 # ---------------------------------------------------------------------------------------------- install
 
 
-def token_counter(settings: GatewaySettings, tokenizer: Any) -> TokenCounter | None:
+def token_counter(settings: GatewaySettings, tokenizer: Any, max_context: int | None = None) -> TokenCounter | None:
     """The rate limiter's token counter: a tiktoken BPE file if configured, else the model's tokenizer (the
     tokenize thread's copy: the count runs there)."""
     if settings.rate_limit_tiktoken_file:
         return TiktokenCounter.from_bpe_file(settings.rate_limit_tiktoken_file)
-    return ModelTokenCounter(tokenizer) if tokenizer is not None else None
+    return ModelTokenCounter(tokenizer, max_context) if tokenizer is not None else None
 
 
 def install_limits(app: FastAPI, settings: GatewaySettings) -> None:
@@ -358,6 +358,7 @@ def install_limits(app: FastAPI, settings: GatewaySettings) -> None:
     engine = getattr(app.state, "engine", None)
     backend = getattr(app.state, "backend", None)
     tokenize: TokenizeThread | None = getattr(engine, "tokenize", None)
+    max_context = int(getattr(backend, "max_context", 0) or 2**31)
     limiter = RateLimiter(settings.rate_limit_rpm, settings.rate_limit_tpm, redis_url=settings.redis_url)
     slots = StreamSlots(
         settings.max_concurrent_streams,
@@ -374,9 +375,9 @@ def install_limits(app: FastAPI, settings: GatewaySettings) -> None:
     app.add_middleware(
         RateLimitMiddleware,
         limiter=limiter,
-        counter=token_counter(settings, getattr(tokenize, "tokenizer", None)) if limiter.tpm else None,
+        counter=token_counter(settings, getattr(tokenize, "tokenizer", None), max_context) if limiter.tpm else None,
         default_max_tokens=settings.default_max_tokens,
-        max_context=int(getattr(backend, "max_context", 0) or 2**31),
+        max_context=max_context,
         max_choices=settings.max_choices,
         trusted_proxies=settings.trusted_proxies,
         tokenize=tokenize,

@@ -23,11 +23,25 @@ from gateway.backend import ModelBackend
 from gateway.detokenize import TokenVocab
 from gateway.errors import ContextLengthExceededError, InvalidRequestError, ModelNotFoundError
 from gateway.settings import GatewaySettings
-from gateway.tokenize_thread import TokenizeThread, encode_lazily
+from gateway.tokenize_thread import TokenizeThread, encode_lazily, tokens_past
 from gateway.tool_formats import TOOL_FORMATS, ToolFormat, detect_tool_format
 from swarm_client.dht_records import PROTOCOL_VERSION
 
-__all__ = ["PromptRules", "eos_token_ids"]
+__all__ = ["PromptRules", "PromptTooLongError", "eos_token_ids"]
+
+
+class PromptTooLongError(ContextLengthExceededError):
+    """A prompt whose beginning alone is past the context window (``tokens_past``): it was not counted
+    whole, so the message gives a lower bound."""
+
+    def __init__(self, *, max_context: int, at_least: int, chars: int, param: str):
+        where = "messages" if param == "messages" else "prompt"
+        InvalidRequestError.__init__(
+            self,
+            f"This model's maximum context length is {max_context} tokens. However, the {where} alone "
+            f"({chars} characters) are more than {at_least} tokens. Please reduce the length of the {where}.",
+            param=param,
+        )
 
 
 def eos_token_ids(backend: ModelBackend) -> frozenset[int]:
@@ -164,8 +178,12 @@ class PromptRules:
         return self._ids(text, add_special_tokens=True, requested=requested, param=param)
 
     def _ids(self, text: str, *, add_special_tokens: bool, requested: int | None, param: str) -> list[int]:
-        count, ids = encode_lazily(self.tokenize.own(), text, add_special_tokens=add_special_tokens)
-        if count > self.backend.max_context:
+        tokenizer, limit = self.tokenize.own(), self.backend.max_context
+        past = tokens_past(tokenizer, text, limit, add_special_tokens=add_special_tokens)
+        if past is not None:  # megabytes: its beginning alone is too long, the rest is not worth counting
+            raise PromptTooLongError(max_context=limit, at_least=past, chars=len(text), param=param)
+        count, ids = encode_lazily(tokenizer, text, add_special_tokens=add_special_tokens)
+        if count > limit:
             self.max_tokens_for(count, requested, param=param)  # raises: no budget fits
         return ids()
 

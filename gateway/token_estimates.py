@@ -9,7 +9,7 @@ import json
 from pathlib import Path
 from typing import Any, Protocol
 
-from gateway.tokenize_thread import encode_lazily
+from gateway.tokenize_thread import encode_lazily, tokens_past
 
 __all__ = [
     "CHAT_PATH",
@@ -41,13 +41,22 @@ class TokenCounter(Protocol):
 
 class ModelTokenCounter:
     """Tokens as the served model counts them (what usage reports); the gateway counts on its tokenize
-    thread, with that thread's tokenizer (gateway/tokenize_thread.py)."""
+    thread, with that thread's tokenizer (gateway/tokenize_thread.py). With ``max_context``, a text whose
+    beginning alone is past it counts as that beginning (the route refuses it anyway: megabytes are not
+    worth counting)."""
 
-    def __init__(self, tokenizer: Any):
+    def __init__(self, tokenizer: Any, max_context: int | None = None):
         self.tokenizer = tokenizer
+        self.max_context = max_context
 
     def count(self, text: str) -> int:
-        return encode_lazily(self.tokenizer, text, add_special_tokens=False)[0] if text else 0
+        if not text:
+            return 0
+        if self.max_context is not None:
+            past = tokens_past(self.tokenizer, text, self.max_context, add_special_tokens=False)
+            if past is not None:
+                return past
+        return encode_lazily(self.tokenizer, text, add_special_tokens=False)[0]
 
 
 class TiktokenCounter:

@@ -24,7 +24,13 @@ import pytest
 
 from gateway import LocalBackend
 from gateway.swarm_view import SwarmView
-from gateway.tokenize_thread import TokenizeThread, encode_lazily
+from gateway.tokenize_thread import (
+    PREFIX_CHARS_PER_TOKEN,
+    PREFIX_MARGIN_TOKENS,
+    TokenizeThread,
+    encode_lazily,
+    tokens_past,
+)
 from tests.gateway_fixtures import Gateway, start_gateway, tiny_model_dir, tiny_tokenizer
 
 CAP = 8 * 2**20  # the default settings.max_body_bytes
@@ -138,7 +144,7 @@ def gw() -> Iterator[Gateway]:
 
 @pytest.fixture(scope="module")
 def gw_no_tpm(gw: Gateway) -> Iterator[Gateway]:
-    """No token limit: an 8 MiB prompt is tokenized once, not also for the limiter (the test takes half)."""
+    """No token limit: what tokenizes an 8 MiB prompt is the route alone."""
     gateway = start_gateway(gw.backend)
     yield gateway
     gateway.server.stop()
@@ -153,10 +159,13 @@ def _assert_off_loop(calls: list[Call]) -> None:
 # ------------------------------------------------------------------------------------------- the prompts
 
 
+@pytest.mark.parametrize("which", ["gw_no_tpm", "gw"])
 def test_a_prompt_just_under_the_cap_is_tokenized_off_the_event_loop(
-    gw_no_tpm: Gateway, tokenizer_calls: list[Call]
+    which: str, request: pytest.FixtureRequest, tokenizer_calls: list[Call]
 ) -> None:
-    gw = gw_no_tpm
+    """Rendered and counted on the tokenize thread (and by the rate limiter, there too, when it counts);
+    only its beginning is counted, which is enough to refuse it."""
+    gw: Gateway = request.getfixturevalue(which)
     head = {"model": gw.model, "max_tokens": 1, "messages": [{"role": "user", "content": ""}]}
     room = CAP - len(json.dumps(head)) - 64
     words = "hello world, a hostile prompt. "
@@ -165,10 +174,15 @@ def test_a_prompt_just_under_the_cap_is_tokenized_off_the_event_loop(
     assert CAP - 128 < len(data) <= CAP
     with gw.http() as http:
         r = http.post("/v1/chat/completions", content=data, headers={"content-type": "application/json"}, timeout=300)
-    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text
-    encodes = [c for c in tokenizer_calls if c.method in ("__call__", "encode", "backend.encode_batch")]
-    assert max(c.size for c in encodes) > CAP - 1024  # the whole prompt was tokenized, where the spies saw it
+    error = r.json()["error"]
+    assert r.status_code == 400 and error["code"] == "context_length_exceeded", r.text
     _assert_off_loop(tokenizer_calls)
+    rendered = [c.size for c in tokenizer_calls if c.method == "apply_chat_template"]
+    encoded = [c.size for c in tokenizer_calls if c.method in ("__call__", "encode", "backend.encode_batch")]
+    assert max(rendered) > CAP - 1024 and encoded  # the spies saw the whole prompt rendered, then counted
+    assert max(encoded) <= PREFIX_CHARS_PER_TOKEN * (gw.backend.max_context + PREFIX_MARGIN_TOKENS)
+    assert f"maximum context length is {gw.backend.max_context} tokens" in error["message"]
+    assert "are more than" in error["message"]  # a lower bound: only the beginning was counted
 
 
 def test_every_prompt_shape_is_tokenized_off_the_event_loop(gw: Gateway, tokenizer_calls: list[Call]) -> None:
@@ -306,3 +320,16 @@ def test_encode_lazily_counts_and_encodes_as_the_tokenizer_does(family: str) -> 
                 assert (count, ids()) == (len(want), want), (text, special)
     finally:
         mine.close()
+
+
+def test_tokens_past_counts_only_the_beginning_of_a_text_that_cannot_fit() -> None:
+    tokenizer, limit = tiny_tokenizer(), 100
+    cut = PREFIX_CHARS_PER_TOKEN * (limit + PREFIX_MARGIN_TOKENS)
+    words = "hello world, a prompt. "
+    short = (words * cut)[:cut]
+    assert tokens_past(tokenizer, short, limit, add_special_tokens=False) is None  # short enough: count it whole
+    long = words * cut
+    past = tokens_past(tokenizer, long, limit, add_special_tokens=False)
+    whole = len(tokenizer(long, add_special_tokens=False)["input_ids"])
+    assert past is not None and limit + PREFIX_MARGIN_TOKENS < past < whole
+    assert past == len(tokenizer(long[:cut], add_special_tokens=False)["input_ids"])
