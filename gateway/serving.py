@@ -276,6 +276,8 @@ def _completion_prompts(
         if isinstance(item, str):
             ids, text = engine.encode_sync(item, requested=requested), item
         else:
+            if len(item) > engine.backend.max_context:  # refused before a million ids are checked, decoded
+                engine.max_tokens_for(len(item), requested, param="prompt")
             bad = [t for t in item if not 0 <= t < vocab]
             if bad:
                 raise InvalidRequestError(f"{where}: token id {bad[0]} is out of range [0, {vocab}).", param=where)

@@ -206,6 +206,18 @@ def test_every_prompt_shape_is_tokenized_off_the_event_loop(gw: Gateway, tokeniz
     _assert_off_loop(tokenizer_calls)
 
 
+def test_a_token_id_prompt_past_the_window_is_refused_before_it_is_read(
+    gw: Gateway, tokenizer_calls: list[Call]
+) -> None:
+    """A million token ids (3 MiB): a 400 from their number, before each is checked and all are decoded."""
+    body = {"model": gw.model, "prompt": [5] * 1_000_000, "max_tokens": 1}
+    with gw.http() as http:
+        r = http.post("/v1/completions", json=body)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text
+    assert r.json()["error"]["param"] == "prompt"
+    assert not [c for c in tokenizer_calls if c.on_loop]
+
+
 def test_a_body_over_the_cap_is_a_413_before_any_tokenizing(gw: Gateway, tokenizer_calls: list[Call]) -> None:
     content = "x" * CAP
     data = json.dumps({"model": gw.model, "messages": [{"role": "user", "content": content}]}).encode()
