@@ -37,6 +37,13 @@ def quiet_http_logs() -> None:
 
 
 @contextmanager
+def trust_policy(trusted_peers: list[str], client_options: dict[str, Any]) -> dict[str, Any]:
+    """The client options with the settings' trust policy (``SWARMSERVE_TRUSTED_PEERS``) where they name none."""
+    if trusted_peers and "trusted_peers" not in client_options:
+        return {**client_options, "trusted_peers": list(trusted_peers)}
+    return client_options
+
+
 def serving_gateway(
     cfg: GatewayConfig,
     *,
@@ -54,7 +61,7 @@ def serving_gateway(
         model_id=cfg.model_id or settings.model,
         dht_prefix=cfg.dht_prefix,
         dht=dht,
-        **cfg.client_options,
+        **trust_policy(settings.trusted_peers, cfg.client_options),
     )
     server = None
     try:

@@ -153,3 +153,12 @@ def test_every_route_starts_and_ends_on_the_trusted_peer(tiny_llama, local_llama
         for b in backends:
             b.close()
         s.close()
+
+
+def test_gateway_config_takes_the_settings_trust_policy() -> None:
+    """A ``GatewayConfig`` built in code (not by the CLI) still honours ``SWARMSERVE_TRUSTED_PEERS``."""
+    from gateway.run import trust_policy
+
+    assert trust_policy(["A", "B"], {"push": True}) == {"push": True, "trusted_peers": ["A", "B"]}
+    assert trust_policy(["A"], {"trusted_peers": ["C"]}) == {"trusted_peers": ["C"]}  # explicit options win
+    assert trust_policy([], {"push": True}) == {"push": True}
