@@ -36,7 +36,6 @@ def quiet_http_logs() -> None:
     logging.getLogger("httpx").setLevel(max(logging.WARNING, logging.getLogger().level))
 
 
-@contextmanager
 def trust_policy(trusted_peers: list[str], client_options: dict[str, Any]) -> dict[str, Any]:
     """The client options with the settings' trust policy (``SWARMSERVE_TRUSTED_PEERS``) where they name none."""
     if trusted_peers and "trusted_peers" not in client_options:
@@ -44,6 +43,7 @@ def trust_policy(trusted_peers: list[str], client_options: dict[str, Any]) -> di
     return client_options
 
 
+@contextmanager
 def serving_gateway(
     cfg: GatewayConfig,
     *,

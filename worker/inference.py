@@ -130,10 +130,6 @@ class InferenceStreams(ServerPush):
                 self.batcher.forget(cache.session_id)
                 self.caches.release(cache.session_id, keep=keep)
 
-    def holds_stream(self, session_id: str) -> bool:
-        """Whether an open inference stream here holds ``session_id`` (pushes and bundles need one)."""
-        return session_id in self._inboxes
-
     def _open_session(self, metadata: dict, owner: str | None) -> SessionCache:
         spec = metadata.get("open")
         if not isinstance(spec, dict):

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import AsyncIterator  # noqa: UP035 - hivemind detects streams by typing.AsyncIterator only
 
 import torch
@@ -42,21 +42,16 @@ class ServerPush(WireChecks):
     pushes_refused: int
     pushes_dropped: int
 
+    def holds_stream(self, session_id: str) -> bool:
+        """Whether an open inference stream here holds ``session_id`` (pushes and bundles need one)."""
+        return session_id in self._inboxes
+
     async def rpc_push(
         self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
     ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
-        """Steps pushed by a previous server of a chain, one message each, over one long-lived stream;
-        each goes into its session's inbox. A refused step is answered with its typed error at once (the
-        pusher need not read them: unread answers stop this stream, nobody else's); the stream ends with
-        a count of the accepted ones."""
-        accepted = 0
-        async for request in requests:
-            try:
-                accepted += self.accept_push(request)
-            except (RemoteError, ValueError) as e:
-                self.pushes_refused += 1
-                yield protocol.make_response(error=self._wire_error(e))
-        yield protocol.make_response(accepted=accepted)
+        """Steps pushed by a previous server of a chain (``serve_pushes``)."""
+        async for response in serve_pushes(requests, [self]):
+            yield response
 
     def accept_push(self, request: runtime_pb2.ExpertRequest) -> bool:
         """Queue a pushed step into its session's inbox: False if that is full (pushes only save a hop, the
@@ -110,6 +105,26 @@ class ServerPush(WireChecks):
                 compression_out=metadata.get("compression_out", "none"),
             )
         )
+
+
+async def serve_pushes(
+    requests: AsyncIterator[runtime_pb2.ExpertRequest], handlers: Sequence[ServerPush]
+) -> AsyncIterator[runtime_pb2.ExpertResponse]:
+    """Steps pushed by a previous server of a chain, one message each, over one long-lived stream; each goes
+    into the inbox of its session, on whichever of ``handlers`` (current first, then retired ones still
+    draining) holds it. A refused step is answered with its typed error at once (the pusher need not read
+    them: unread answers stop this stream, nobody else's); the stream ends with a count of the accepted ones."""
+    accepted = 0
+    async for request in requests:
+        handler = handlers[0]
+        try:
+            session_id = handler._unpack(request.metadata).get("session_id")
+            handler = next((h for h in handlers if isinstance(session_id, str) and h.holds_stream(session_id)), handler)
+            accepted += handler.accept_push(request)
+        except (RemoteError, ValueError) as e:
+            handler.pushes_refused += 1
+            yield protocol.make_response(error=handler._wire_error(e))
+    yield protocol.make_response(accepted=accepted)
 
 
 class PushStream:

@@ -35,6 +35,7 @@ from swarm_client.errors import RemoteError, SessionNotFoundError, error_to_wire
 from worker.block_selection import choose_best_blocks, should_choose_other_blocks
 from worker.bundles import serve_step_bundles
 from worker.handler import BlockHandler
+from worker.push import serve_pushes
 
 __all__ = [
     "PENDING",
@@ -216,15 +217,8 @@ class HandlerSwitch(protocol.BlockRPC):
         self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
     ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
         """Each pushed step to whichever handler (current or retired) holds its session's stream."""
-        accepted = 0
-        async for request in requests:
-            try:
-                session_id = str(protocol.unpack_metadata(request.metadata).get("session_id"))
-            except Exception:
-                continue
-            handler = next((h for h in self.handlers if h.holds_stream(session_id)), None)
-            accepted += handler is not None and handler.accept_push(request)
-        yield protocol.make_response(accepted=accepted)
+        async for response in serve_pushes(requests, self.handlers):
+            yield response
 
     async def rpc_steps(
         self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext

@@ -203,7 +203,7 @@ class WireChecks:
     def _check_compression_out(metadata: dict) -> None:
         for key in ("compression", "compression_out"):
             value = metadata.get(key, "none")
-            if value not in protocol.COMPRESSIONS:
+            if not isinstance(value, str) or value not in protocol.COMPRESSIONS:
                 raise InvalidInputError(
                     f"{key} must be one of {sorted(protocol.COMPRESSIONS)}, got {str(value)[:40]!r}"
                 )
