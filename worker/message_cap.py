@@ -55,7 +55,7 @@ class MessageCap:
 
     def _refuse(self, reason: str) -> None:
         self.refused += 1
-        logger.warning("refused %s; dropping the stream", reason)
+        logger.warning("dropping a stream unread: %s", reason)
         raise MessageTooLargeError(reason)
 
 
