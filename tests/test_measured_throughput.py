@@ -14,7 +14,7 @@ from swarm_client.failover import PendingSpotCheck
 from swarm_client.routing import RouteHop, find_route
 from swarm_client.sequence_manager import ClientConfig, SequenceManager
 from swarm_client.step_times import StepTimes
-from tests.swarm_fixtures import Swarm
+from tests.swarm_fixtures import Swarm, greedy_route
 
 PROMPT = torch.tensor([[3, 14, 15, 92, 65]])
 NEW_TOKENS = 8
@@ -111,16 +111,8 @@ def test_a_stalling_spot_checker_is_dropped_not_waited_for():
 # --- a real Sybil ---------------------------------------------------------------------------------------
 
 
-def greedy(model) -> tuple[list[int], list[RouteHop]]:
-    tokens = []
-    with model.inference_session(max_length=PROMPT.shape[1] + NEW_TOKENS) as session:
-        logits = model(PROMPT, session=session).logits
-        for step in range(NEW_TOKENS):
-            token = logits[:, -1].argmax(-1, keepdim=True)
-            tokens.append(int(token))
-            if step + 1 < NEW_TOKENS:
-                logits = model(token, session=session).logits
-        return tokens, session.route
+def greedy(model) -> tuple[list[int], list]:
+    return greedy_route(model, PROMPT, NEW_TOKENS)
 
 
 @pytest.mark.slow

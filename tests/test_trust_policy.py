@@ -15,7 +15,7 @@ from swarm_client.failover import start_spot_check
 from swarm_client.history import HistoryBuffer
 from swarm_client.routing import RouteHop
 from swarm_client.sequence_manager import ClientConfig, SequenceManager
-from tests.swarm_fixtures import Swarm
+from tests.swarm_fixtures import Swarm, greedy_route
 
 PROMPT = torch.tensor([[3, 14, 15, 92, 65]])
 NEW_TOKENS = 6
@@ -88,15 +88,7 @@ def test_spot_checkers_of_an_end_block_are_trusted():
 
 
 def greedy(model) -> tuple[list[int], list]:
-    tokens = []
-    with model.inference_session(max_length=PROMPT.shape[1] + NEW_TOKENS) as session:
-        logits = model(PROMPT, session=session).logits
-        for step in range(NEW_TOKENS):
-            token = logits[:, -1].argmax(-1, keepdim=True)
-            tokens.append(int(token))
-            if step + 1 < NEW_TOKENS:
-                logits = model(token, session=session).logits
-        return tokens, session.route
+    return greedy_route(model, PROMPT, NEW_TOKENS)
 
 
 @pytest.mark.slow
