@@ -73,6 +73,10 @@ class WorkerConfig:
     idle_timeout: float = 300.0
     host: str = "127.0.0.1"
     port: int = 0
+    #: announce ``/ip4/public_ip/tcp/port`` (needs a fixed ``port``) instead of the addresses we listen on
+    public_ip: str | None = None
+    #: announce these multiaddrs too (each with an explicit port); with neither, hivemind announces ours
+    announce_maddrs: list[str] = field(default_factory=list)
     dht_prefix: str | None = None
     update_period: float = 5.0
     expiration: float | None = None
@@ -101,6 +105,14 @@ class WorkerConfig:
     metrics_port: int = 0
 
 
+def announce_list(cfg: WorkerConfig) -> list[str]:
+    """``cfg.announce_maddrs`` plus ``/ipN/public_ip/tcp/port``; ``ValueError`` if ``public_ip`` has no fixed port."""
+    if cfg.public_ip and not cfg.port:
+        raise ValueError("public_ip needs a fixed port (the one forwarded to this server), not 0")
+    ip = cfg.public_ip and f"/ip{6 if ':' in cfg.public_ip else 4}/{cfg.public_ip}/tcp/{cfg.port}"
+    return list(cfg.announce_maddrs) + ([ip] if ip else [])
+
+
 class BlockServer:
     def __init__(self, cfg: WorkerConfig):
         self.cfg = cfg
@@ -125,16 +137,23 @@ class BlockServer:
     # ------------------------------------------------------------------ lifecycle
     async def run(self) -> None:
         cfg = self.cfg
+        announce = announce_list(cfg)
         with tempfile.TemporaryDirectory() as identity_dir:  # our peer id = hash of the record-signing key
             self.dht = DHT(
                 initial_peers=cfg.initial_peers,
                 host_maddrs=[f"/ip4/{cfg.host}/tcp/{cfg.port}"],
+                announce_maddrs=announce or None,
                 start=True,
                 await_ready=True,
                 record_validators=record_validators(self.dht_prefix, self.total_blocks),
                 **write_identity(identity_dir),
             )
         mark_validated(self.dht)
+        # which addresses peers are told to dial: the first thing to check when nobody reaches a server
+        visible = " ".join(str(m) for m in self.dht.get_visible_maddrs())
+        print(f"swarmserve worker: listening on {cfg.host}:{cfg.port}, announcing {visible}", flush=True)
+        if not announce and cfg.host in ("0.0.0.0", "::"):
+            logger.warning("no --public-ip / --announce-maddrs: behind NAT or in a container these are private")
         self.start, self.end = await asyncio.to_thread(self._choose_span)
         logger.info("chose blocks %d:%d of %d", self.start, self.end, self.total_blocks)
         await self._announce(ServerState.JOINING)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 
 from swarmserve.cli.common import add_listen_flags, blocks_arg, subcommand
+from swarmserve.cli.dht import add_announce_flags, announced_maddrs
 
 DTYPES = ["auto", "float32", "bfloat16", "float16"]
 #: worker.cpu_kernels.CPU_KERNELS, repeated so ``--help`` does not import torch (a test keeps them equal)
@@ -68,6 +69,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="bytes of forward/backward uploads held at once; past this requests are answered busy",
     )
     add_listen_flags(p, "the server's libp2p transport", 0)
+    add_announce_flags(p)
     p.add_argument("--dht-prefix", default=None, help="DHT namespace (default: the model's basename)")
     p.add_argument("--update-period", type=float, default=5.0, help="seconds between DHT announcements")
     p.add_argument("--throughput", type=float, default=None, help="announce this tok/s instead of measuring")
@@ -101,6 +103,10 @@ def run(args: argparse.Namespace, rest: list[str]) -> int:
     from swarm_client.config import parse_initial_peers
     from worker.server import WorkerConfig, run_worker
 
+    try:  # fail before loading anything: a wrong address would announce a server nobody reaches
+        announced_maddrs(args.public_ip, args.port, args.announce_maddrs)
+    except ValueError as exc:
+        raise SystemExit(f"swarmserve worker: {exc}") from None
     if args.torch_threads:
         torch.set_num_threads(args.torch_threads)
     run_worker(
@@ -123,6 +129,8 @@ def run(args: argparse.Namespace, rest: list[str]) -> int:
             max_upload_bytes=args.max_upload_bytes,
             host=args.host,
             port=args.port,
+            public_ip=args.public_ip,
+            announce_maddrs=args.announce_maddrs,
             dht_prefix=args.dht_prefix,
             update_period=args.update_period,
             throughput=args.throughput,
