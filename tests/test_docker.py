@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 
 from swarmserve.cli import build_parser
+from swarmserve.cli.dht import announced_maddrs
 
 yaml = pytest.importorskip("yaml")
 
@@ -24,6 +25,7 @@ SAMPLE_ENV = {
     "MODEL": "HuggingFaceTB/SmolLM2-135M-Instruct",
     "INITIAL_PEERS": SAMPLE_PEER,
     "NUM_BLOCKS": "12",
+    "PUBLIC_IP": "198.51.100.23",
 }
 _VAR = re.compile(r"\$\$|\$\{(?P<name>\w+)(?:(?P<op>:?[-?])(?P<arg>[^}]*))?\}|\$(?P<bare>\w+)")
 
@@ -141,20 +143,42 @@ def test_cpu_worker_profile(services: dict) -> None:
 
 
 def test_defaults_fill_in_and_missing_peers_fail_loudly() -> None:
-    services = compose({"INITIAL_PEERS": SAMPLE_PEER})["services"]
+    services = compose({"INITIAL_PEERS": SAMPLE_PEER, "PUBLIC_IP": "198.51.100.23"})["services"]
     assert parse(services["worker"]).model == "HuggingFaceTB/SmolLM2-135M-Instruct"
-    services = compose({})["services"]
+    services = compose({"PUBLIC_IP": "198.51.100.23"})["services"]
     with pytest.raises(SystemExit):  # no silent single-node swarm: --initial-peers needs a value
         parse(services["worker"])
+
+
+@pytest.mark.parametrize("name", ["worker", "worker-cpu"])
+@pytest.mark.parametrize("port", [None, "31400"])
+def test_worker_announces_a_reachable_address_from_the_environment(name: str, port: str | None) -> None:
+    """In Docker's bridge network a worker sees only its container's address: it must announce PUBLIC_IP and a
+    port that the host publishes to the very port it listens on, on every interface."""
+    env = {**SAMPLE_ENV, **({"WORKER_PORT": port} if port else {})}
+    service = compose(env)["services"][name]
+    args = parse(service)
+    announced = announced_maddrs(args.public_ip, args.port, args.announce_maddrs)
+    assert announced == [f"/ip4/{env['PUBLIC_IP']}/tcp/{port or 31330}"]
+    assert args.host == "0.0.0.0"  # the published port reaches the listener through the container's interface
+    published = [p.split(":") for p in service["ports"]]
+    assert [str(args.port), str(args.port)] in published  # host port announced == container port listened on
+
+
+def test_worker_without_public_ip_refuses_to_start() -> None:
+    """No PUBLIC_IP: the command fails to parse rather than announce an address only this host can dial."""
+    env = {k: v for k, v in SAMPLE_ENV.items() if k != "PUBLIC_IP"}
+    services = compose(env)["services"]
+    with pytest.raises(SystemExit):
+        parse(services["worker"])
+    parse(services["dht"]), parse(services["gateway"])  # the rest of the stack still starts without it
 
 
 # ------------------------------------------------------------------------------------ Dockerfiles
 def dockerfile(name: str) -> list[tuple[str, str]]:
     """(INSTRUCTION, arguments) pairs, continuation lines joined, comments dropped."""
     text = (ROOT / "docker" / name).read_text()
-    text = re.sub(
-        r"\\\n", " ", "\n".join(line for line in text.splitlines() if not line.lstrip().startswith("#"))
-    )
+    text = re.sub(r"\\\n", " ", "\n".join(line for line in text.splitlines() if not line.lstrip().startswith("#")))
     pairs = []
     for line in text.splitlines():
         if line.strip():
