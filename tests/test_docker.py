@@ -220,3 +220,26 @@ def test_dockerfile(name: str) -> None:
 def test_dockerignore_keeps_the_context_small() -> None:
     ignored = {line.strip() for line in (ROOT / ".dockerignore").read_text().splitlines()}
     assert {".git", ".venv"} <= ignored
+
+
+@pytest.mark.parametrize(
+    ("public_ip", "port", "maddrs", "error"),
+    [
+        ("198.51.100.23", 0, [], "fixed --port"),
+        ("not-an-ip", 31330, [], "not an IP address"),
+        (None, 0, ["/ip4/198.51.100.23/tcp/0"], "explicit, non-zero port"),
+        (None, 0, ["/ip4/198.51.100.23"], "explicit, non-zero port"),
+        (None, 0, ["198.51.100.23:31330"], "not a multiaddr"),
+    ],
+)
+def test_announce_flags_refuse_what_nobody_could_dial(public_ip, port, maddrs, error) -> None:
+    with pytest.raises(ValueError, match=error):
+        announced_maddrs(public_ip, port, maddrs)
+
+
+def test_announce_flags_build_the_addresses() -> None:
+    assert announced_maddrs(None, 0, []) == []  # hivemind announces what it listens on
+    assert announced_maddrs("2001:db8::7", 31330, ["/dns4/home.example.org/tcp/31330"]) == [
+        "/dns4/home.example.org/tcp/31330",
+        "/ip6/2001:db8::7/tcp/31330",
+    ]
