@@ -32,7 +32,7 @@ import sys
 import threading
 from collections.abc import Sequence
 
-from swarmserve.processes import ChildProcess, swarmserve_argv
+from swarmserve.processes import ChildProcess, _parent_death_signal, swarmserve_argv
 
 PREFIX = "snl"
 CMD_TIMEOUT = 20.0
@@ -199,6 +199,7 @@ class NetLab:
             errors="replace",
             env=env,
             start_new_session=True,
+            preexec_fn=_parent_death_signal(),  # a SIGKILLed test run leaves no worker behind
         )
         proc = cls(name, popen)
         threading.Thread(target=proc._read, name=f"{name}-log", daemon=True).start()  # noqa: SLF001
