@@ -6,11 +6,13 @@ scripts/setup.sh test
 # shellcheck disable=SC1091
 . .venv/bin/activate
 # What the integration tests need outside Python, installed when missing and we may (root, Debian):
-# redis-server (affinity, rate limits) and chromium (the /swarm and /docs pages in a real browser).
+# redis-server (affinity, rate limits), chromium (the /swarm and /docs pages in a real browser) and
+# iptables (the network-namespace lab's NAT router, tests/netlab.py).
 # SWARMSERVE_REQUIRE (set by .ci/run) turns the tests' skips for what is still missing into failures.
 missing=""
 command -v redis-server >/dev/null 2>&1 || [ -n "${REDIS_URL:-}" ] || missing="$missing redis-server"
 command -v chromium >/dev/null 2>&1 || missing="$missing chromium"
+command -v iptables >/dev/null 2>&1 || missing="$missing iptables"
 if [ -n "$missing" ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
   echo "installing:$missing"
   # shellcheck disable=SC2086

