@@ -77,9 +77,11 @@ class InferenceStreams(ServerPush):
                 return
             except (TimeoutError, StopAsyncIteration):
                 return
+            # held before the answer goes out: the client may bundle the session's next step (``rpc_steps``)
+            # the moment it reads the answer, and a bundle needs the stream to hold the session
+            self._inboxes[cache.session_id] = inbox
             yield protocol.make_response(position=cache.position, session_id=cache.session_id)
             pump = asyncio.create_task(self._pump(requests, inbox))
-            self._inboxes[cache.session_id] = inbox
             recent: deque[str] = deque(maxlen=_REMEMBERED_STEPS)
 
             while True:
