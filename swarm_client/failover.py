@@ -46,8 +46,7 @@ BUSY_POLL = 0.25
 def all_busy(manager: SequenceManager, start: int, end: int) -> bool:
     """No route over ``[start, end)`` avoids the servers that just said they are full."""
     try:
-        options = manager.route_options()
-        find_route(manager.spans, start, end, **{**options, "banned": options["banned"] | manager.busy_peers()})
+        find_route(manager.spans, start, end, **manager.route_options(exclude=manager.busy_peers()))
     except NoRouteError:
         return True
     return False
@@ -234,10 +233,7 @@ def start_spot_check(
         return None
     try:
         # the checker sees the hop's inputs: the trust policy applies to it as to the hop itself
-        options = manager.route_options()
-        checkers = find_route(
-            manager.spans, hop.start, hop.end, **{**options, "banned": options["banned"] | {hop.peer_id}}
-        )
+        checkers = find_route(manager.spans, hop.start, hop.end, **manager.route_options(exclude=[hop.peer_id]))
     except NoRouteError:
         return None  # nobody else holds these blocks: nothing to compare with
     prefix = history.read(position)

@@ -8,6 +8,7 @@ import functools
 import logging
 import time
 from collections import Counter
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from hivemind.dht import DHT
@@ -164,19 +165,19 @@ class SequenceManager:
         compute = max(seconds - self.rtt.get(peer_id, 0.0), seconds / 4)
         self.step_times.record(peer_id, blocks, compute)
 
-    def effective_throughputs(self) -> dict[str, float]:
-        """What routing believes of each known server's tokens/s per block (``routing.effective_throughputs``)."""
-        return effective_throughputs(self.spans, self.step_times.throughputs(), self.config.throughput_cap_factor)
-
-    def route_options(self, spans: dict[str, RemoteSpanInfo] | None = None) -> dict:
-        """``find_route`` keywords every route of this client uses: RTTs, bans, believed throughputs and the
-        trust policy (so replacements and spot checkers honour it too)."""
+    def effective_throughputs(self, spans: dict[str, RemoteSpanInfo] | None = None) -> dict[str, float]:
+        """What routing believes of each server's tokens/s per block (``routing.effective_throughputs``) among
+        ``spans`` (default: every known one)."""
         spans = self.spans if spans is None else spans
-        speeds = effective_throughputs(spans, self.step_times.throughputs(), self.config.throughput_cap_factor)
+        return effective_throughputs(spans, self.step_times.throughputs(), self.config.throughput_cap_factor)
+
+    def route_options(self, spans: dict[str, RemoteSpanInfo] | None = None, exclude: Iterable[str] = ()) -> dict:
+        """``find_route`` keywords every route of this client uses: RTTs, bans (and ``exclude``d peers),
+        believed throughputs and the trust policy (so replacements and spot checkers honour it too)."""
         return {
             "rtt": self.rtt,
-            "banned": self.bans.banned(),
-            "throughput": speeds,
+            "banned": self.bans.banned() | set(exclude),
+            "throughput": self.effective_throughputs(spans),
             "trusted": self.config.trusted_peers,
             "num_blocks": self.config.num_blocks,
         }

@@ -39,6 +39,12 @@ class _ServerSession:
         self._reader: asyncio.Task | None = None
         self.closed = False
         self._counted = False  # in ``manager.sessions_on`` while open
+        #: how the previous server of a chain pushes steps into this session (``protocol``, rpc_push)
+        self.push_target = {
+            "peer_id": hop.peer_id,
+            "session_id": session_id,
+            "push_token": capabilities.push_token(session_id),
+        }
 
     async def _requests(self):
         while True:
@@ -147,10 +153,10 @@ class _ServerSession:
         step_id: str | None = None,
         push_chain: list[dict] | None = None,
     ) -> torch.Tensor:
-        """One step; ``push_chain`` (the next hops' peer and session ids) asks the server to push its
-        output on to the first of them (see ``protocol``)."""
+        """One step; ``push_chain`` (the next hops' ``push_target``s) asks the server to push its output on to
+        the first of them (see ``protocol``)."""
         hidden = self._to_wire(hidden)
-        extra = {} if step_id is None else {"step_id": step_id, "push_chain": _with_push_tokens(push_chain or [])}
+        extra = {} if step_id is None else {"step_id": step_id, "push_chain": push_chain or []}
         if self.batch_group is not None:
             extra["batch_group"] = self.batch_group
         compression = self.manager.config.compression
@@ -199,11 +205,6 @@ class _ServerSession:
                 await asyncio.wait_for(asyncio.shield(self._reader), 2.0)
             except Exception:
                 self._reader.cancel()  # the server frees the session when the stream breaks anyway
-
-
-def _with_push_tokens(chain: list[dict]) -> list[dict]:
-    """The chain's hops, each with the token its server needs to accept our pushed steps."""
-    return [{**hop, "push_token": capabilities.push_token(str(hop.get("session_id")))} for hop in chain]
 
 
 async def close_all(sessions: list[_ServerSession], keep: bool = False) -> None:

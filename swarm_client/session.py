@@ -197,7 +197,7 @@ class InferenceSession:
         index = 0
         while index < len(self._hops):
             hop = self._hops[index]
-            chain = [{"peer_id": h.hop.peer_id, "session_id": h.session_id} for h in self._hops[index + 1 :]]
+            chain = [h.push_target for h in self._hops[index + 1 :]]
             # a spot check starts with the step: its checkers compute while the hop does
             check = (
                 None

@@ -111,10 +111,6 @@ def test_a_stalling_spot_checker_is_dropped_not_waited_for():
 # --- a real Sybil ---------------------------------------------------------------------------------------
 
 
-def greedy(model) -> tuple[list[int], list]:
-    return greedy_route(model, PROMPT, NEW_TOKENS)
-
-
 @pytest.mark.slow
 def test_sybil_announcing_1e9_loses_new_routes_once_measured(tiny_llama, local_llama):
     reference = local_llama.generate(PROMPT, max_new_tokens=NEW_TOKENS, do_sample=False)[0, PROMPT.shape[1] :]
@@ -133,7 +129,7 @@ def test_sybil_announcing_1e9_loses_new_routes_once_measured(tiny_llama, local_l
             manager.rtt[peer] = 0.0  # equal RTTs: claims and measurements alone decide
         routes = []
         for _ in range(4):
-            tokens, route = greedy(model)
+            tokens, route = greedy_route(model, PROMPT, NEW_TOKENS)
             assert tokens == reference.tolist()
             routes.append([h.peer_id for h in route])
         # before any measurement the claim counts, capped (4 × 1000, not 1e9): the Sybil gets the first

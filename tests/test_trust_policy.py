@@ -87,10 +87,6 @@ def test_spot_checkers_of_an_end_block_are_trusted():
     assert asyncio.run(checkers(manager, RouteHop("T1", 1, 3))) == ["U"]  # the middle blocks: anyone
 
 
-def greedy(model) -> tuple[list[int], list]:
-    return greedy_route(model, PROMPT, NEW_TOKENS)
-
-
 @pytest.mark.slow
 def test_every_route_starts_and_ends_on_the_trusted_peer(tiny_llama, local_llama):
     from gateway.swarm_backend import SwarmBackend
@@ -111,12 +107,12 @@ def test_every_route_starts_and_ends_on_the_trusted_peer(tiny_llama, local_llama
             runtime.run(b.manager.update(force=True))
             b.manager.rtt.update(dict.fromkeys((trusted, first, second), 0.001))  # equal RTTs: deterministic
         # without a policy the fast untrusted servers take the whole route
-        _, route = greedy(open_backend.model)
+        _, route = greedy_route(open_backend.model, PROMPT, NEW_TOKENS)
         assert [h.peer_id for h in route] == [first, second]
 
         routes = []
         for _ in range(5):
-            tokens, route = greedy(backend.model)
+            tokens, route = greedy_route(backend.model, PROMPT, NEW_TOKENS)
             assert tokens == reference.tolist()
             routes.append(route)
         for route in routes:

@@ -53,11 +53,11 @@ class ServerPush(WireChecks):
         async for response in serve_pushes(requests, [self]):
             yield response
 
-    def accept_push(self, request: runtime_pb2.ExpertRequest) -> bool:
+    def accept_push(self, request: runtime_pb2.ExpertRequest, metadata: dict) -> bool:
         """Queue a pushed step into its session's inbox: False if that is full (pushes only save a hop, the
         client's own copy follows); a typed error if the step is malformed or the sender lacks the push
-        token the session was opened with (knowing a session id is not enough to steer it)."""
-        metadata = self._unpack(request.metadata)
+        token the session was opened with (knowing a session id is not enough to steer it); ``metadata``:
+        the request's, unpacked."""
         session_id, step_id = metadata.get("session_id"), metadata.get("step_id")
         if not isinstance(step_id, str) or len(step_id) > MAX_STEP_ID_CHARS:
             raise InvalidInputError(f"a pushed step needs a step_id string of at most {MAX_STEP_ID_CHARS} chars")
@@ -118,9 +118,10 @@ async def serve_pushes(
     async for request in requests:
         handler = handlers[0]
         try:
-            session_id = handler._unpack(request.metadata).get("session_id")
+            metadata = handler._unpack(request.metadata)
+            session_id = metadata.get("session_id")
             handler = next((h for h in handlers if isinstance(session_id, str) and h.holds_stream(session_id)), handler)
-            accepted += handler.accept_push(request)
+            accepted += handler.accept_push(request, metadata)
         except (RemoteError, ValueError) as e:
             handler.pushes_refused += 1
             yield protocol.make_response(error=handler._wire_error(e))

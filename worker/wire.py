@@ -18,6 +18,7 @@ from hivemind.utils.streaming import combine_from_streaming
 
 from swarm_client import protocol
 from swarm_client.errors import InvalidInputError, RemoteError, error_to_wire
+from worker.uploads import DEFAULT_UPLOAD_BUDGET
 
 #: dtypes a tensor may arrive in (wire name → bytes per value once decoded); anything else is refused
 WIRE_DTYPES = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8}
@@ -35,7 +36,7 @@ class HandlerLimits:
         max_tensor_bytes: int = 256 * 2**20,
         idle_timeout: float = 300.0,
         max_step_tokens: int = protocol.MAX_STEP_TOKENS,
-        max_upload_bytes: int = 1024 * 2**20,
+        max_upload_bytes: int = DEFAULT_UPLOAD_BUDGET,
     ):
         self.max_upload_bytes = max_upload_bytes
         self.max_batch_size = max_batch_size
