@@ -34,22 +34,15 @@ import torch  # noqa: E402
 
 from swarm_client import AutoDistributedModelForCausalLM  # noqa: E402
 from swarm_client.sequence_manager import DEFAULT_SPOT_CHECK_RATE  # noqa: E402
-from tests.swarm_fixtures import Swarm  # noqa: E402
+from tests.swarm_fixtures import Swarm, greedy_session  # noqa: E402
 
 SPANS = ["0:2", "0:2", "2:4", "2:4"]
 
 
 def generate(model, prompt: torch.Tensor, tokens: int) -> tuple[list[int], float, int]:
     """Greedy decode in one session: (tokens, seconds, spot checks run)."""
-    out = []
     t0 = time.perf_counter()
-    with torch.inference_mode(), model.inference_session(max_length=prompt.shape[1] + tokens) as session:
-        logits = model(prompt, session=session).logits
-        for step in range(tokens):
-            token = logits[:, -1].argmax(-1, keepdim=True)
-            out.append(int(token))
-            if step + 1 < tokens:
-                logits = model(token, session=session).logits
+    out, session = greedy_session(model, prompt, tokens)
     return out, time.perf_counter() - t0, session.spot_checks
 
 

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 
 from swarmserve.launcher import ChildProcess, LocalSwarm, WorkerProcess, child_env
 
-__all__ = ["Proc", "Swarm", "WorkerProcess", "greedy_route", "spawn", "swarm"]
+__all__ = ["Proc", "Swarm", "WorkerProcess", "greedy_route", "greedy_session", "spawn", "swarm"]
 
 OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
 
@@ -41,14 +41,23 @@ def swarm(model_path: str, spans: list[str], *extra: str) -> Iterator[Swarm]:
         s.close()
 
 
-def greedy_route(model, prompt, new_tokens: int) -> tuple[list[int], list]:
-    """Greedy tokens of ``model`` after ``prompt`` [1, T], one session, and the route that session took."""
+def greedy_session(model, prompt, new_tokens: int):
+    """Greedy tokens of ``model`` after ``prompt`` [1, T] in one session, and that (closed) session: its
+    route, spot checks and the rest stay readable."""
+    import torch
+
     tokens = []
-    with model.inference_session(max_length=prompt.shape[1] + new_tokens) as session:
+    with torch.inference_mode(), model.inference_session(max_length=prompt.shape[1] + new_tokens) as session:
         logits = model(prompt, session=session).logits
         for step in range(new_tokens):
             token = logits[:, -1].argmax(-1, keepdim=True)
             tokens.append(int(token))
             if step + 1 < new_tokens:
                 logits = model(token, session=session).logits
-        return tokens, session.route
+    return tokens, session
+
+
+def greedy_route(model, prompt, new_tokens: int) -> tuple[list[int], list]:
+    """Greedy tokens of ``model`` after ``prompt`` [1, T], one session, and the route that session took."""
+    tokens, session = greedy_session(model, prompt, new_tokens)
+    return tokens, session.route
