@@ -33,7 +33,7 @@ from hivemind.dht.validation import RecordValidatorBase
 from hivemind.p2p import PeerID
 from hivemind.proto import crypto_pb2
 from hivemind.utils.crypto import RSAPrivateKey
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 PROTOCOL_VERSION = "1"
 #: blocks covered by the schema of a node that knows the model's prefix but not its depth (bootstrap)
@@ -46,6 +46,14 @@ class ServerState(enum.IntEnum):
     OFFLINE = 0
     JOINING = 1
     ONLINE = 2
+
+
+class Reachability(enum.StrEnum):
+    """How the swarm reaches a server, as a peer of the swarm found by dialing it back at start-up."""
+
+    DIRECT = "direct"  # a peer dialed the announced address
+    RELAYED = "relayed"  # only through a libp2p relay (a public peer forwards its traffic)
+    UNKNOWN = "unknown"  # no peer could run the check (e.g. the first server of a new swarm)
 
 
 class ServerInfo(BaseModel):
@@ -68,6 +76,14 @@ class ServerInfo(BaseModel):
     addrs: tuple[str, ...] = ()
     #: optional protocol features the server serves (e.g. ``protocol.STEP_BUNDLES``); older servers: none
     features: tuple[str, ...] = ()
+    #: how peers reach the server, as its start-up check found (``Reachability``); None: not checked / older
+    reachability: Reachability | None = None
+
+    @field_validator("reachability", mode="before")
+    @classmethod
+    def _unknown_reachability_is_none(cls, value: object) -> object:
+        """A value this version does not know (a newer server's) reads as "not said", not a broken record."""
+        return value if isinstance(value, str) and value in {r.value for r in Reachability} else None
 
     def to_wire(self) -> dict:
         data = self.model_dump(mode="json")
