@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import json
 import logging
 from collections import deque
 from collections.abc import AsyncIterator, Collection
@@ -35,7 +34,7 @@ from starlette.datastructures import MutableHeaders
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway.auth import APIKeys, AuthMiddleware, load_api_keys
-from gateway.errors import GatewayError, ServiceUnavailableError, error_response
+from gateway.errors import GatewayError, InvalidRequestError, ServiceUnavailableError, error_response
 from gateway.ratelimit import (
     GENERATION_PATHS,
     ModelTokenCounter,
@@ -45,6 +44,7 @@ from gateway.ratelimit import (
     estimate_tokens,
     request_identity,
 )
+from gateway.schema_base import load_json_body
 from gateway.settings import GatewaySettings
 from gateway.tokenize_thread import TokenizeThread
 
@@ -119,8 +119,8 @@ async def read_body(scope: Scope, receive: Receive) -> tuple[bytes, Receive]:
 
 def _json_object(body: bytes) -> dict[str, Any] | None:
     try:
-        data = json.loads(body)
-    except ValueError:
+        data = load_json_body(body)
+    except InvalidRequestError:  # the route answers it with a 400
         return None
     return data if isinstance(data, dict) else None
 

@@ -94,7 +94,9 @@ class Sampler:
             logits = self.constraint.mask(logits)
         if p.greedy:
             return int(torch.argmax(logits))
-        logits = logits / p.temperature
+        # in float64 and shifted so the best logit is 0: a tiny temperature (1e-39, 5e-324, which is 0 as a
+        # float32) gives -inf for the rest instead of inf - inf = nan, i.e. the argmax (ties shared), its limit
+        logits = (logits.double() - logits.max()) / p.temperature
         if p.top_k > 0:
             logits = _top_k(logits, p.top_k)
         if p.top_p < 1.0:

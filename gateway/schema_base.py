@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from typing import Any, TypeVar
 
 from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
@@ -17,7 +18,7 @@ from gateway.errors import InvalidRequestError, validation_error
 
 logger = logging.getLogger("gateway.openai_schema")
 
-__all__ = ["OpenAIRequestModel", "OpenAIResponseModel", "RequestT", "drop_none", "parse_request"]
+__all__ = ["OpenAIRequestModel", "OpenAIResponseModel", "RequestT", "drop_none", "load_json_body", "parse_request"]
 
 
 class OpenAIRequestModel(BaseModel):
@@ -45,14 +46,58 @@ class OpenAIResponseModel(BaseModel):
 RequestT = TypeVar("RequestT", bound=OpenAIRequestModel)
 
 
-def parse_request(model_cls: type[RequestT], body: bytes) -> RequestT:
-    """Body bytes → request model; malformed JSON, a non-object or a bad field is a 400 naming the param."""
+#: a JSON ``\\uXXXX`` escape of a UTF-16 surrogate: only then can a decoded string hold a lone one
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
+
+
+def load_json_body(body: bytes) -> Any:
+    """Body bytes → JSON value, or an ``InvalidRequestError`` for anything no request can be made of: bad
+    JSON, nesting deeper than the parser's recursion limit, an integer of more than 4300 digits, and a lone
+    surrogate escape (``"\\ud800"``: valid JSON, but no text, and the tokenizer cannot encode it)."""
     try:
         data = json.loads(body)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise InvalidRequestError(
             f"We could not parse the JSON body of your request ({exc}). The OpenAI API expects a JSON payload."
         ) from None
+    except RecursionError:
+        raise InvalidRequestError("The JSON body of your request is nested too deeply.") from None
+    except ValueError as exc:  # int digits past sys.get_int_max_str_digits()
+        raise InvalidRequestError(f"The JSON body of your request has a number we cannot read ({exc}).") from None
+    if _SURROGATE_ESCAPE.search(body):
+        path = _lone_surrogate_path(data)
+        if path is not None:
+            raise InvalidRequestError(
+                "A string in your request holds a lone UTF-16 surrogate escape (\\ud800-\\udfff without its "
+                "pair), which is not text; send the character itself or a valid surrogate pair.",
+                param=path or None,
+            )
+    return data
+
+
+def _lone_surrogate_path(data: Any) -> str | None:
+    """The dotted path of the first string (value or key) holding a lone surrogate, or None."""
+    stack: list[tuple[str, Any]] = [("", data)]
+    while stack:
+        path, value = stack.pop()
+        if isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError:
+                return path
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                child = f"{path}.{key}" if path else str(key)
+                stack.append((child, key))
+                stack.append((child, item))
+        elif isinstance(value, list):
+            stack.extend((f"{path}.{i}" if path else str(i), item) for i, item in enumerate(value))
+    return None
+
+
+def parse_request(model_cls: type[RequestT], body: bytes) -> RequestT:
+    """Body bytes → request model; malformed JSON, a non-object or a bad field is a 400 naming the param."""
+    data = load_json_body(body)
     if not isinstance(data, dict):
         raise InvalidRequestError("The request body must be a JSON object.")
     try:

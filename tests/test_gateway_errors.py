@@ -141,6 +141,43 @@ def test_malformed_json_wrong_shapes_and_routes(gw):
     _still_serving(gw)
 
 
+@pytest.mark.parametrize(
+    ("path", "raw", "param", "words"),
+    [
+        ("/v1/chat/completions", '{"messages": ' + "[" * 100_000 + "]" * 100_000 + "}", None, "nested too deeply"),
+        ("/v1/completions", '{"prompt": "a", "max_tokens": ' + "9" * 5000 + "}", None, "number we cannot read"),
+        ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "a\\ud800b"}]}', "messages.0.content",
+         "lone UTF-16 surrogate"),
+        ("/v1/completions", '{"prompt": ["ok", "\\udc00"]}', "prompt.1", "lone UTF-16 surrogate"),
+        ("/v1/responses", '{"input": "\\udbff!"}', "input", "lone UTF-16 surrogate"),
+    ],
+)  # fmt: skip
+def test_bodies_python_cannot_hold_are_400(gw, path, raw, param, words):
+    """Deep nesting (RecursionError), a 5000-digit integer (ValueError) and a lone surrogate (the tokenizer's
+    TypeError) were 500s; each is a 400 saying what is wrong."""
+    body = raw.replace("{", f'{{"model": "{gw.model}", ', 1)
+    with gw.http() as http:
+        r = http.post(path, content=body, headers={"content-type": "application/json"})
+    assert r.status_code == 400, r.text
+    err = _envelope(r)
+    assert words in err["message"] and err["param"] == param, err
+    _still_serving(gw)
+
+
+def test_a_surrogate_pair_is_text_not_an_error(gw):
+    raw = f'{{"model": "{gw.model}", "max_tokens": 1, "messages": [{{"role": "user", "content": "\\ud83d\\ude00"}}]}}'
+    with gw.http() as http:
+        r = http.post("/v1/chat/completions", content=raw, headers={"content-type": "application/json"})
+    assert r.status_code == 200, r.text
+
+
+def test_a_vanishing_temperature_samples_the_argmax(gw, client):
+    """temperature=1e-39 overflowed logits / temperature to inf (torch.multinomial: 500); it is greedy."""
+    for temperature in (1e-39, 5e-324):
+        r = client.chat.completions.create(model=gw.model, messages=HELLO, max_tokens=4, temperature=temperature)
+        assert_greedy(r, chat_prompt_ids(HELLO), 4)
+
+
 def test_context_overflow_message_names_limit_and_total(gw, client):
     limit = gw.backend.max_context
     long_prompt = "swarm " * limit
