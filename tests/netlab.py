@@ -15,6 +15,9 @@ inbound connections dropped silently (a SYN to the LAN or to the router times ou
 except TCP ports in ``forward`` (DNAT to the host, same port). Public hosts route the private subnet to the
 router, so a private address announced by the NATed host is a black hole, not an instant "unreachable".
 
+``delay`` / ``delay_between`` add one-way delays (tests/netlab_delay.py: each host delays what it sends; a host
+behind a router is reached at the router's public address), when ``unavailable_delays()`` is None.
+
 ``close()`` (also on ``with`` exit and at interpreter exit) kills what still runs in the lab's namespaces and
 deletes them, which takes their veths and the bridge along. Labs left by a SIGKILLed run are swept by the
 next ``NetLab()`` (their pid no longer exists).
@@ -30,9 +33,13 @@ import signal
 import subprocess
 import sys
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
 
 from swarmserve.processes import ChildProcess, _parent_death_signal, swarmserve_argv
+
+if TYPE_CHECKING:
+    from tests.netlab_delay import Delays
 
 PREFIX = "snl"
 CMD_TIMEOUT = 20.0
@@ -48,6 +55,13 @@ def unavailable() -> str | None:
         if shutil.which(tool) is None:
             return f"needs `{tool}` (Debian: apt-get install {package})"
     return None
+
+
+def unavailable_delays() -> str | None:
+    """Why the lab cannot delay packets here (a skip reason), or None (see tests/netlab_delay.py)."""
+    from tests.netlab_delay import unavailable_delays as reason
+
+    return reason()
 
 
 def _run(*argv: str, check: bool = True) -> subprocess.CompletedProcess:
@@ -101,6 +115,8 @@ class NetLab:
         self.namespaces: list[str] = []
         self.public: list[str] = []  # hosts on the bridge (without routers)
         self.lans: list[tuple[str, str]] = []  # (private subnet, router's public address)
+        self.reached_at: dict[str, str] = {}  # ns -> the address others reach it at (a NATed host: its router's)
+        self._delays: Delays | None = None
         self._veths = 0
         self._closed = False
         atexit.register(self.close)
@@ -136,6 +152,7 @@ class NetLab:
         _run("ip", "-n", self.bridge, "link", "set", peer, "up")
         _run("ip", "-n", ns, "addr", "add", f"{address}/24", "dev", "eth0")
         _run("ip", "-n", ns, "link", "set", "eth0", "up")
+        self.reached_at[ns] = address
 
     def host(self, name: str, address: str) -> str:
         """A host on the public bridge; returns its namespace."""
@@ -154,6 +171,7 @@ class NetLab:
         self._on_bridge(router, public_address)
         home = self._namespace(f"{name}-lan")
         private = f"{lan}.2"
+        self.reached_at[home] = public_address
         _run("ip", "-n", home, "link", "add", "eth0", "type", "veth", "peer", "name", "lan0")
         _run("ip", "-n", home, "link", "set", "lan0", "netns", router)
         _run("ip", "-n", home, "addr", "add", f"{private}/24", "dev", "eth0")
@@ -179,6 +197,29 @@ class NetLab:
             _run("ip", "-n", ns, "route", "add", f"{lan}.0/24", "via", public_address)
         self.lans.append((lan, public_address))
         return router, home, private
+
+    def namespace_of(self, host: str) -> str:
+        """The namespace of a host given by name (as passed to ``host``; ``NAME-lan`` behind router NAME) or ns."""
+        for ns in (host, f"{self.tag}-{host}"):
+            if ns in self.namespaces:
+                return ns
+        raise KeyError(f"no host {host!r} in this lab ({', '.join(self.namespaces)})")
+
+    # ------------------------------------------------------------------------------------------ delays
+    def _delay_settings(self) -> Delays:
+        if self._delays is None:
+            from tests.netlab_delay import Delays
+
+            self._delays = Delays(self)
+        return self._delays
+
+    def delay(self, delays: Mapping[str, float]) -> None:
+        """One-way delay (ms) for everything each host sends, e.g. ``{"client": 25}``; 0 removes it."""
+        self._delay_settings().set_hosts(delays)
+
+    def delay_between(self, source: str, destination: str, ms: float) -> None:
+        """One-way delay (ms) for what ``source`` sends to ``destination``; overrides ``delay``'s."""
+        self._delay_settings().set_pair(source, destination, ms)
 
     # --------------------------------------------------------------------------------------- processes
     @staticmethod
@@ -210,6 +251,10 @@ class NetLab:
         if self._closed:
             return
         self._closed = True
-        for ns in reversed(self.namespaces):
-            _delete_namespace(ns)
-        self.namespaces.clear()
+        try:
+            if self._delays is not None:
+                self._delays.close()
+        finally:
+            for ns in reversed(self.namespaces):
+                _delete_namespace(ns)
+            self.namespaces.clear()
