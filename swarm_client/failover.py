@@ -76,9 +76,11 @@ async def open_span(
     manager: SequenceManager, start: int, end: int, cache_tokens: int, open_hops: OpenHops
 ) -> list[_ServerSession]:
     """Route ``[start, end)`` and open streams, banning servers that fail until the failover deadline; a
-    full server is routed around (``wait_for_room``), for ``busy_wait`` seconds at most."""
-    now = time.monotonic()
-    deadline, busy_deadline = now + manager.config.failover_deadline, now + manager.config.busy_wait
+    full server is routed around (``wait_for_room``), for ``busy_wait`` seconds at most; blocks without a
+    usable server are looked for again for ``route_wait`` seconds, then ``NoRouteError`` says why."""
+    now, config = time.monotonic(), manager.config
+    deadline, busy_deadline = now + config.failover_deadline, now + config.busy_wait
+    route_deadline = now + min(config.route_wait, config.failover_deadline)
     while True:
         try:
             hops = await manager.make_route(start, end, cache_tokens_needed=cache_tokens)
@@ -86,7 +88,7 @@ async def open_span(
         except CALLER_ERRORS:
             raise
         except NoRouteError:
-            if time.monotonic() + 0.5 > deadline:
+            if time.monotonic() + 0.5 > route_deadline:
                 raise
             await asyncio.sleep(0.5)
         except (ServerBusyError, SessionTooLongError) as e:

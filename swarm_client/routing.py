@@ -17,11 +17,12 @@ from __future__ import annotations
 import heapq
 import statistics
 import time
-from collections.abc import Collection, Iterable, Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 
 from swarm_client.dht_records import RemoteSpanInfo, ServerState
 from swarm_client.errors import NoRouteError
+from swarm_client.route_explain import format_blocks, no_route_error
 
 __all__ = [
     "CACHE_PENALTY",
@@ -59,25 +60,6 @@ class RouteHop:
     @property
     def length(self) -> int:
         return self.end - self.start
-
-
-def format_blocks(blocks: Iterable[int]) -> str:
-    """Compact, human-readable block list: ``"block 3"``, ``"blocks 3..5"``, ``"blocks 0, 3..5, 8..9"``."""
-    ordered = sorted(set(blocks))
-    if not ordered:
-        return "no blocks"
-    ranges: list[tuple[int, int]] = []
-    first = last = ordered[0]
-    for block in ordered[1:]:
-        if block == last + 1:
-            last = block
-            continue
-        ranges.append((first, last))
-        first = last = block
-    ranges.append((first, last))
-    parts = [str(a) if a == b else f"{a}..{b}" for a, b in ranges]
-    noun = "block" if len(ordered) == 1 else "blocks"
-    return f"{noun} {', '.join(parts)}"
 
 
 def coverage(spans: Mapping[str, RemoteSpanInfo], num_blocks: int) -> list[list[str]]:
@@ -141,6 +123,7 @@ def find_route(
     throughput: Mapping[str, float] | None = None,
     trusted: Collection[str] = (),
     num_blocks: int | None = None,
+    why: Mapping[str, str] | None = None,
 ) -> list[RouteHop]:
     """Cheapest chain of ONLINE, unbanned servers that runs blocks ``[start, end)`` in order.
 
@@ -158,8 +141,9 @@ def find_route(
     Trust policy: with ``trusted`` peer ids (and the model's ``num_blocks``), the hop that runs block 0 and
     the hop that runs block ``num_blocks - 1`` (where ``[start, end)`` holds them) must be on a trusted peer.
 
-    Raises ``NoRouteError`` naming the blocks no eligible server holds (in ``missing_blocks``), or, under a
-    trust policy, the end blocks no eligible trusted server holds.
+    Raises ``NoRouteError`` naming the blocks no eligible server holds (in ``missing_blocks``) and, per range
+    of them, who holds them and why they are not used (``why``: the reason of each ban, by peer;
+    ``route_explain``), or, under a trust policy, the end blocks no eligible trusted server holds.
     """
     if start < 0 or end < start:
         raise ValueError(f"invalid block range [{start}, {end})")
@@ -226,7 +210,7 @@ def find_route(
                     best[hop_end] = new_label
                     heapq.heappush(heap, (new_label, new_cost, hop_end))
 
-    raise _no_route_error(spans, start, end, eligible, banned_set)
+    raise no_route_error(spans, start, end, eligible, banned_set, why, cache_tokens_needed)
 
 
 def _check_trusted_ends(
@@ -256,42 +240,13 @@ def _hops_from_path(path: tuple[tuple[str, int], ...], start: int) -> list[Route
     return hops
 
 
-def _no_route_error(
-    spans: Mapping[str, RemoteSpanInfo],
-    start: int,
-    end: int,
-    eligible: list[RemoteSpanInfo],
-    banned: set[str],
-) -> NoRouteError:
-    held = set()
-    for span in eligible:
-        held.update(range(max(span.start, start), min(span.end, end)))
-    missing = [block for block in range(start, end) if block not in held]
-    if not missing:  # unreachable with mid-span entry, kept so the error never lies
-        return NoRouteError(
-            f"no route through blocks [{start}, {end}) although every block is held by an eligible server",
-            missing_blocks=[],
-        )
-    missing_set = set(missing)
-    holders = [span for span in spans.values() if missing_set.intersection(range(max(span.start, 0), span.end))]
-    num_banned = sum(1 for span in holders if span.peer_id in banned)
-    num_not_online = sum(1 for span in holders if span.peer_id not in banned and span.state != ServerState.ONLINE)
-    detail = ""
-    if num_banned or num_not_online:
-        detail = f" (servers that hold some of them but are excluded: {num_banned} banned, "
-        detail += f"{num_not_online} not ONLINE)"
-    return NoRouteError(
-        f"no route through blocks [{start}, {end}): no ONLINE, unbanned server holds {format_blocks(missing)}{detail}",
-        missing_blocks=missing,
-    )
-
-
 class BanList:
     """Peers to avoid after a failure, with exponential backoff.
 
     The n-th consecutive failure bans a peer for ``min(base * 2 ** (n - 1), max_ban)`` seconds.
     ``report_success`` forgets the peer's failures; ``unban`` lifts the current ban but keeps the count,
     so a peer that fails again right after is banned for longer. ``now`` defaults to ``time.monotonic()``.
+    Each ban keeps its reason (``reasons``), for the ``NoRouteError`` that names who is banned and why.
     """
 
     def __init__(self, base: float = 1.0, max_ban: float = 60.0):
@@ -301,13 +256,16 @@ class BanList:
         self.max_ban = max_ban
         self._failures: dict[str, int] = {}
         self._until: dict[str, float] = {}
+        self._reasons: dict[str, str] = {}
 
     @staticmethod
     def _now(now: float | None) -> float:
         return time.monotonic() if now is None else now
 
-    def ban(self, peer_id: str, now: float | None = None) -> float:
-        """Record a failure of ``peer_id`` and ban it; returns the ban duration in seconds."""
+    def ban(self, peer_id: str, now: float | None = None, reason: str = "") -> float:
+        """Record a failure of ``peer_id`` (because of ``reason``) and ban it; returns the ban duration."""
+        if reason:
+            self._reasons[peer_id] = reason
         failures = self._failures.get(peer_id, 0) + 1
         self._failures[peer_id] = failures
         duration = min(self.base * 2.0 ** min(failures - 1, 64), self.max_ban)
@@ -323,6 +281,14 @@ class BanList:
         current = self._now(now)
         return {peer_id for peer_id, until in self._until.items() if current < until}
 
+    def reason(self, peer_id: str) -> str | None:
+        """Why ``peer_id`` was last banned (kept until it succeeds again), or None."""
+        return self._reasons.get(peer_id)
+
+    def reasons(self, now: float | None = None) -> dict[str, str]:
+        """The reasons of the peers banned at ``now``; pass this to ``find_route(why=...)``."""
+        return {p: self._reasons[p] for p in self.banned(now) if p in self._reasons}
+
     def unban(self, peer_id: str) -> None:
         """Lift the current ban of ``peer_id`` (its failure count, hence the next backoff, stays)."""
         self._until.pop(peer_id, None)
@@ -331,6 +297,7 @@ class BanList:
         """``peer_id`` worked: lift its ban and reset its backoff to ``base``."""
         self._until.pop(peer_id, None)
         self._failures.pop(peer_id, None)
+        self._reasons.pop(peer_id, None)
 
     def failures(self, peer_id: str) -> int:
         """Consecutive failures recorded for ``peer_id`` since its last success."""

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import logging
 import time
 from collections import Counter
@@ -18,13 +17,13 @@ from hivemind.proto import runtime_pb2
 from swarm_client import protocol, runtime
 from swarm_client.dht_records import (
     RemoteSpanInfo,
-    ServerState,
     fetch_block_records,
     mark_validated,
     record_validators,
     spans_from_records,
 )
 from swarm_client.errors import NoRouteError, PeerError, PeerTimeout, SessionTooLongError
+from swarm_client.pings import Pinger, ping_failure_reason
 from swarm_client.protocol import MAX_PIPELINE_GROUPS
 from swarm_client.routing import CLAIM_CAP_FACTOR, BanList, RouteHop, effective_throughputs, find_route, missing_blocks
 from swarm_client.step_bundles import StepBundler
@@ -63,9 +62,24 @@ class ClientConfig:
     request_timeout: float = 60.0
     #: total time a step may spend failing over before SessionLost / NoRouteError
     failover_deadline: float = 60.0
+    #: a new peer's first ping (its RTT) must answer within this, else the peer is banned as unreachable
     ping_timeout: float = 3.0
+    #: route discovery stops waiting for the pings of new peers once those that answered cover the blocks and
+    #: this long passed since the pings started (``pings``: the rest go on in the background) ...
+    ping_grace: float = 0.3
+    #: ... or this many times the fastest answer, if that is less (a LAN swarm: a few ms)
+    ping_grace_factor: float = 3.0
     #: a step silent for this long triggers a liveness ping of its server (see _ServerSession)
     probe_after: float = 1.0
+    #: a liveness ping of a silent step's server must answer within this; a busy server computing a long step
+    #: still answers pings at once (its event loop is free), so ...
+    silent_ping_timeout: float = 1.0
+    #: ... this many unanswered liveness pings in a row mean the server is gone (stopped, frozen, cut off), not
+    #: busy: the step fails with ``PeerTimeout`` and failover starts
+    silent_pings: int = 2
+    #: how long opening a span keeps re-reading the DHT while some of its blocks have no usable server (a
+    #: restarting server announces itself again within seconds), before ``NoRouteError``
+    route_wait: float = 10.0
     #: fraction of inference steps re-run on a second server of the same blocks (where one exists) to catch
     #: servers returning wrong activations; load_tests/spot_check_cost.py measures what it costs
     spot_check_rate: float = DEFAULT_SPOT_CHECK_RATE
@@ -140,6 +154,8 @@ class SequenceManager:
         self.bans = BanList(base=config.ban_base, max_ban=config.ban_max)
         self.spans: dict[str, RemoteSpanInfo] = {}
         self.rtt: dict[str, float] = {}
+        #: pings of new peers, in flight in the background (``pings``)
+        self.pings = Pinger(self._ping, self.rtt, config.ping_timeout, config.ping_grace, config.ping_grace_factor)
         self._last_update = 0.0
         self._p2p: P2P | None = None
         self._update_lock: asyncio.Lock | None = None
@@ -177,6 +193,7 @@ class SequenceManager:
         return {
             "rtt": self.rtt,
             "banned": self.bans.banned() | set(exclude),
+            "why": self.bans.reasons(),
             "throughput": self.effective_throughputs(spans),
             "trusted": self.config.trusted_peers,
             "num_blocks": self.config.num_blocks,
@@ -246,39 +263,57 @@ class SequenceManager:
                 fetch_block_records, self.dht, self.config.dht_prefix, self.config.num_blocks
             )
             spans = spans_from_records(records)
-            new_peers = [p for p, s in spans.items() if s.state == ServerState.ONLINE and p not in self.rtt]
-            if new_peers:
-                await asyncio.gather(*(self._ping(p) for p in new_peers))
+            self.pings.start(spans, self.bans.banned())
+            await self.pings.settle(spans, self.bans.banned)
             self.spans = spans
             self._last_update = time.monotonic()
             return spans
 
     async def _ping(self, peer_id: str) -> None:
+        """Measure ``peer_id``'s RTT, or ban it with the reason (``pings.ping_failure_reason``)."""
         t0 = time.perf_counter()
         try:
             await self.info(peer_id, timeout=self.config.ping_timeout)
         except PeerError as e:
-            logger.info("peer %s unreachable (%s); banning it for now", peer_id, e)
-            self.bans.ban(peer_id)
+            span = self.spans.get(peer_id)
+            addrs = span.server_info.addrs if span is not None else ()
+            self.ban(peer_id, ping_failure_reason(e, self.config.ping_timeout, addrs))
             return
-        self.rtt[peer_id] = time.perf_counter() - t0
+        self.rtt.setdefault(peer_id, time.perf_counter() - t0)  # a figure set meanwhile (tests) stands
+
+    def _route_now(
+        self, spans: dict[str, RemoteSpanInfo], start: int, end: int, cache_tokens: int, avoid: Iterable[str] = ()
+    ) -> list[RouteHop]:
+        load = {peer: LOCAL_SESSION_LOAD * n for peer, n in self.sessions_on.items() if n > 0}
+        options = self.route_options(spans, exclude=avoid)
+        return find_route(
+            spans, start, end, load=load, cache_tokens_needed=cache_tokens, busy=self.busy_peers(), **options
+        )
+
+    async def _route(self, spans: dict[str, RemoteSpanInfo], start: int, end: int, cache_tokens: int) -> list[RouteHop]:
+        """A route that leaves out peers whose ping is in flight while others can serve their blocks; where only
+        they can, it waits for their pings (``ping_timeout`` at most) and routes again."""
+        pending = self.pings.start(spans, self.bans.banned())  # also re-measures peers whose ban ran out
+        try:
+            return self._route_now(spans, start, end, cache_tokens, avoid=pending)
+        except NoRouteError:
+            if not pending:
+                raise
+        await self.pings.wait(pending)
+        return self._route_now(spans, start, end, cache_tokens, avoid=self.pings.pending())
 
     async def make_route(self, start: int, end: int, cache_tokens_needed: int = 0) -> list[RouteHop]:
         """A route over ``[start, end)``; re-reads the DHT once before giving up with NoRouteError, or with
         ``SessionTooLongError`` when the blocks are served but no server's whole cache could hold the session."""
         for attempt in range(2):
             spans = await self.update(force=attempt > 0)
-            load = {peer: LOCAL_SESSION_LOAD * n for peer, n in self.sessions_on.items() if n > 0}
-            route = functools.partial(find_route, spans, start, end, load=load, **self.route_options(spans))
             try:
-                return route(cache_tokens_needed=cache_tokens_needed, busy=self.busy_peers())
+                return await self._route(spans, start, end, cache_tokens_needed)
             except NoRouteError:
                 if attempt == 0:
                     continue
-                try:
-                    route(cache_tokens_needed=0)
-                except NoRouteError:
-                    raise
+                # NoRouteError here: the blocks are unserved whatever the session's length
+                self._route_now(spans, start, end, 0, avoid=self.pings.pending())
                 largest = max((s.server_info.cache_tokens_total or 0 for s in spans.values()), default=0)
                 raise SessionTooLongError(
                     f"no server of blocks {start}:{end} can hold a session of {cache_tokens_needed} tokens "
@@ -300,7 +335,7 @@ class SequenceManager:
         return set(self._busy_until)
 
     def ban(self, peer_id: str, reason: str) -> None:
-        seconds = self.bans.ban(peer_id)
+        seconds = self.bans.ban(peer_id, reason=reason)
         self.rtt.pop(peer_id, None)
         logger.warning("banning peer %s for %.1fs: %s", peer_id, seconds, reason)
 
@@ -312,6 +347,7 @@ class SequenceManager:
 
         A P2P client left open is collected later with a pending connection task, after its loop is gone
         ("Task was destroyed but it is pending", errors raised from hivemind's ``__del__``)."""
+        self.pings.cancel()
         p2p, self._p2p = self._p2p, None
         bundlers, self._bundlers = list(self._bundlers.values()), {}
         if bundlers:

@@ -62,28 +62,51 @@ class _ServerSession:
             self._inbox.put_nowait(e)
 
     async def _next_response(self, timeout: float):
-        """The next response; a server that is silent past ``probe_after`` is pinged, and a failed ping
-        (a SIGKILLed worker whose p2p daemon still holds the connection) fails the step at once."""
+        """The next response. A server silent past ``probe_after`` is pinged (while the wait goes on): a refused
+        ping (a SIGKILLed worker whose p2p daemon still holds the connection) fails the step at once, and
+        ``silent_pings`` pings in a row unanswered within ``silent_ping_timeout`` (a stopped or frozen server,
+        a cut link) fail it as ``PeerTimeout``. A busy server answers pings at once: it waits for its step."""
         config = self.manager.config
-        deadline = time.monotonic() + timeout
-        wait = min(config.probe_after, timeout)
-        while True:
-            try:
-                async with asyncio.timeout(wait):
-                    return await self._inbox.get()
-            except TimeoutError:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    raise PeerTimeout(
-                        f"server {self.hop.peer_id} did not answer within {timeout:.1f}s", self.hop.peer_id
-                    ) from None
-                try:
-                    await self.manager.info(self.hop.peer_id, timeout=min(config.ping_timeout, remaining))
-                except PeerTimeout:
-                    pass  # a slow ping proves nothing (a busy server); keep waiting until the step timeout
-                except PeerError as e:  # refused: the server process is gone even if its connection lingers
-                    raise PeerError(f"server {self.hop.peer_id} stopped answering: {e}", self.hop.peer_id) from e
-                wait = min(config.probe_after, max(deadline - time.monotonic(), 0.001))
+        peer = self.hop.peer_id
+        started = time.monotonic()
+        deadline, next_probe = started + timeout, started + config.probe_after
+        getter = asyncio.ensure_future(self._inbox.get())
+        probe: asyncio.Task | None = None
+        misses = 0
+        try:
+            while True:
+                now = time.monotonic()
+                if now >= deadline:
+                    raise PeerTimeout(f"server {peer} did not answer within {timeout:.1f}s", peer)
+                waits = {getter} if probe is None else {getter, probe}
+                until = deadline if probe is not None else min(deadline, next_probe)
+                await asyncio.wait(waits, timeout=max(until - now, 0.0), return_when=asyncio.FIRST_COMPLETED)
+                if getter.done():
+                    return getter.result()
+                if probe is not None and probe.done():
+                    error, probe = probe.exception(), None
+                    if error is None:  # alive (busy): keep waiting, probe again later
+                        misses, next_probe = 0, time.monotonic() + config.probe_after
+                    elif isinstance(error, PeerTimeout):
+                        misses += 1
+                        if misses >= config.silent_pings:
+                            raise PeerTimeout(
+                                f"server {peer} went silent: no answer to its step for "
+                                f"{time.monotonic() - started:.1f}s, nor to {misses} pings in a row "
+                                f"({config.silent_ping_timeout:.1f}s each)",
+                                peer,
+                            ) from error
+                        next_probe = time.monotonic()  # ping again at once
+                    else:  # refused: the server process is gone even if its connection lingers
+                        raise PeerError(f"server {peer} stopped answering: {error}", peer) from error
+                elif probe is None and time.monotonic() >= next_probe:
+                    ping_timeout = min(config.silent_ping_timeout, max(deadline - time.monotonic(), 0.001))
+                    probe = asyncio.ensure_future(self.manager.info(peer, timeout=ping_timeout))
+        finally:
+            if not getter.done():
+                getter.cancel()
+            if probe is not None:
+                probe.cancel()
 
     async def _exchange(self, request, timeout: float, step_id: str | None = None) -> tuple[list[torch.Tensor], dict]:
         """Send ``request`` and return its answer. With ``step_id``, answers to other steps (a pushed copy

@@ -412,3 +412,119 @@ def test_no_trusted_server_for_an_end_block_says_what_to_do():
 def test_trust_policy_needs_num_blocks():
     with pytest.raises(ValueError, match="num_blocks"):
         find_route(swarm(span("T", 0, 2)), 0, 2, trusted=["T"])
+
+
+# --- NoRouteError explanations (route_explain) ----------------------------------------------------------
+
+
+def test_no_route_names_the_unserved_range_and_the_ban_reason():
+    spans = swarm(span("A", 0, 2), span("N", 2, 4))
+    reason = "did not answer a ping within 3.0 s (announces /ip4/10.232.0.2/tcp/31330) — it may be behind NAT"
+    with pytest.raises(NoRouteError) as err:
+        find_route(spans, 0, 4, banned={"N"}, why={"N": reason})
+    text = str(err.value)
+    assert err.value.missing_blocks == [2, 3]
+    assert "blocks 2..3 have no usable server: peer N is banned: did not answer a ping within 3.0 s" in text
+    assert "/ip4/10.232.0.2/tcp/31330" in text and "peer A" not in text
+
+
+def test_no_route_tells_apart_absent_banned_and_not_online_ranges():
+    spans = swarm(span("A", 0, 2), span("J", 4, 6, state=ServerState.JOINING), span("B", 6, 8))
+    with pytest.raises(NoRouteError) as err:
+        find_route(spans, 0, 8, banned={"B"})
+    text = str(err.value)
+    assert err.value.missing_blocks == [2, 3, 4, 5, 6, 7]
+    assert "blocks 2..3: no server announces them" in text
+    assert "blocks 4..5 have no usable server: peer J is JOINING" in text
+    assert "blocks 6..7 have no usable server: peer B is banned: it failed recently" in text
+
+
+def test_no_route_names_a_server_too_small_for_the_session():
+    spans = swarm(span("A", 0, 4))
+    spans["A"] = RemoteSpanInfo("A", 0, 4, spans["A"].server_info.model_copy(update={"cache_tokens_total": 100}))
+    with pytest.raises(NoRouteError, match="peer A cannot hold a session of 500 tokens"):
+        find_route(spans, 0, 4, cache_tokens_needed=500)
+
+
+def test_no_route_splits_ranges_by_their_holders_and_caps_the_names():
+    spans = swarm(*(span(f"P{i}", 0, 2) for i in range(5)), span("Q", 1, 3))
+    with pytest.raises(NoRouteError) as err:
+        find_route(spans, 0, 3, banned={"P0", "P1", "P2", "P3", "P4", "Q"})
+    text = str(err.value)
+    assert "block 0 has no usable server" in text and "and 2 more" in text  # P0..P2 named, 2 counted
+    assert "block 2 has no usable server: peer Q is banned" in text
+
+
+def test_ban_list_keeps_the_reason_until_a_success():
+    bans = BanList(base=1.0, max_ban=8.0)
+    bans.ban("A", now=0.0, reason="refused")
+    bans.ban("B", now=0.0)
+    assert bans.reasons(now=0.5) == {"A": "refused"}
+    assert bans.reasons(now=5.0) == {}  # no longer banned
+    assert bans.reason("A") == "refused"  # kept for the next ban's context
+    bans.report_success("A")
+    assert bans.reason("A") is None
+
+
+# --- ping budget (pings) ----------------------------------------------------------------------------------
+
+
+def test_pings_cover_blocks_when_measured_peers_hold_every_usable_block():
+    from swarm_client.pings import covered
+
+    spans = swarm(span("A", 0, 2), span("B", 2, 4), span("N", 2, 4), span("J", 4, 6, state=ServerState.JOINING))
+    assert covered(spans, measured={"A", "B"}, banned=())  # N not needed; J is not usable
+    assert not covered(spans, measured={"A"}, banned=())
+    assert covered(spans, measured={"A"}, banned={"B", "N"})  # what is banned need not be measured
+
+
+def test_ping_grace_is_a_multiple_of_the_fastest_answer_capped():
+    from swarm_client.pings import grace
+
+    assert grace(None, 0.3, 3.0) == 0.3
+    assert grace(0.002, 0.3, 3.0) == pytest.approx(0.006)
+    assert grace(0.5, 0.3, 3.0) == 0.3
+
+
+def test_ping_failure_reason_hints_at_nat_for_a_timeout_only():
+    from swarm_client.errors import PeerError, PeerTimeout
+    from swarm_client.pings import ping_failure_reason
+
+    text = ping_failure_reason(PeerTimeout("x"), 3.0, ("/ip4/10.232.0.2/tcp/31330",))
+    assert "within 3.0 s (announces /ip4/10.232.0.2/tcp/31330)" in text and "--public-ip" in text
+    assert "NAT" not in ping_failure_reason(PeerError("connection refused"), 3.0)
+
+
+def test_settle_stops_waiting_on_a_silent_peer_once_others_cover_the_blocks():
+    """A fake ping coroutine stands in for the transport: the decision logic is what is tested here."""
+    import asyncio
+    import time
+
+    from swarm_client.pings import Pinger
+
+    rtt: dict[str, float] = {}
+    bans: set[str] = set()
+
+    async def ping(peer: str) -> None:
+        if peer == "silent":
+            await asyncio.sleep(2.0)
+            bans.add(peer)
+        else:
+            await asyncio.sleep(0.01)
+            rtt[peer] = 0.01
+
+    async def main() -> tuple[float, set[str], float, set[str]]:
+        pinger = Pinger(ping, rtt, ping_timeout=2.0, ping_grace=0.3, ping_grace_factor=3.0)
+        spans = swarm(span("fast", 0, 4), span("silent", 0, 4))
+        t0 = time.monotonic()
+        pinger.start(spans, bans)
+        await pinger.settle(spans, lambda: bans)
+        settled, pending = time.monotonic() - t0, pinger.pending()
+        alone = swarm(span("silent", 0, 4))  # the only server: settle waits for its ping to end
+        await pinger.settle(alone, lambda: bans)
+        return settled, pending, time.monotonic() - t0, set(bans)
+
+    settled, pending, total, banned = asyncio.run(main())
+    print(f"settled beside a silent peer after {settled:.3f}s; alone: {total:.3f}s")
+    assert settled < 1.0 and pending == {"silent"}  # generous: 0.03 s expected
+    assert total >= 1.5 and banned == {"silent"}
