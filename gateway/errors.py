@@ -221,7 +221,10 @@ def install_error_handlers(app: FastAPI, *, retry_after_s: int = DEFAULT_RETRY_A
         err = to_gateway_error(exc, retry_after_s=retry_after_s)
         level = logging.WARNING if err.status_code >= 500 else logging.INFO
         logger.log(level, "%s %s → %d %s", request.method, request.url.path, err.status_code, err.message)
-        return JSONResponse(err.payload(), status_code=err.status_code, headers=err.headers())
+        headers = err.headers()
+        if isinstance(exc, StarletteHTTPException) and exc.headers:  # e.g. a 405's Allow
+            headers = {**exc.headers, **headers}
+        return JSONResponse(err.payload(), status_code=err.status_code, headers=headers)
 
     for cls in (GatewayError, RequestValidationError, StarletteHTTPException, SwarmError):
         app.add_exception_handler(cls, handle)

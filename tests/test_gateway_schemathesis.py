@@ -15,7 +15,12 @@ import pytest
 
 schemathesis = pytest.importorskip("schemathesis", reason="schemathesis is in the `test` extra")
 from hypothesis import HealthCheck, given, settings  # noqa: E402  (after the importorskip above)
-from schemathesis.checks import not_a_server_error  # noqa: E402
+from schemathesis.checks import (  # noqa: E402
+    content_type_conformance,
+    not_a_server_error,
+    response_schema_conformance,
+    status_code_conformance,
+)
 from schemathesis.generation import GenerationMode  # noqa: E402
 
 from tests.gateway_fixtures import REQUEST_TIMEOUT_S, shared_gateway  # noqa: E402
@@ -56,6 +61,13 @@ def _clamp(body: Any) -> None:
             body[key] = cap
 
 
+def test_schema_documents_errors_and_streams(gateway_schema: Any) -> None:
+    for path in ("/v1/chat/completions", "/v1/completions", "/v1/responses"):
+        responses = gateway_schema.raw_schema["paths"][path]["post"]["responses"]
+        assert {"400", "401", "404", "413", "429", "503"} <= set(responses), path
+        assert "text/event-stream" in responses["200"]["content"], path
+
+
 def test_schema_declares_the_request_bodies(gateway_schema: Any) -> None:
     """The routes parse their bodies themselves; without ``openapi_extra`` the fuzzer would send none."""
     paths = gateway_schema.raw_schema["paths"]
@@ -88,6 +100,12 @@ def test_no_server_errors(gateway_schema: Any, method: str, path: str, mode: str
     @given(case=operation.as_strategy(generation_mode=GenerationMode(mode)))
     def run(case: Any) -> None:
         _clamp(case.body)
-        case.call_and_validate(checks=[not_a_server_error], timeout=REQUEST_TIMEOUT_S)
+        case.call_and_validate(checks=checks, timeout=REQUEST_TIMEOUT_S)
+
+    # generation routes document their errors and the SSE stream (gateway/openapi_responses.py): every answer
+    # must be a documented status, with a documented content type and (errors) the envelope's schema
+    checks = [not_a_server_error]
+    if method == "POST":
+        checks += [status_code_conformance, content_type_conformance, response_schema_conformance]
 
     run()

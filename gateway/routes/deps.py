@@ -11,6 +11,7 @@ from pydantic import BaseModel
 from gateway.backend import ModelBackend
 from gateway.engine import Engine
 from gateway.openai_schema import ChatCompletionRequest, CompletionRequest, OpenAIRequestModel, parse_request
+from gateway.openapi_responses import generation_responses
 from gateway.settings import GatewaySettings
 
 RequestT = TypeVar("RequestT", bound=OpenAIRequestModel)
@@ -39,7 +40,8 @@ def _body(model_cls: type[RequestT]) -> Callable[[Request], Awaitable[RequestT]]
 
 
 def openapi_body(model_cls: type[BaseModel]) -> dict[str, Any]:
-    """``openapi_extra`` declaring ``model_cls`` as the JSON request body. ``_body`` parses bodies itself, so
+    """``openapi_extra`` declaring ``model_cls`` as the JSON request body, and the route's answers (SSE,
+    errors: ``gateway.openapi_responses``). ``_body`` parses bodies itself, so
     FastAPI would leave them out of the OpenAPI schema (and clients or fuzzers built from it would send none).
     Pydantic's ``$defs`` are inlined: the schema sits inside the document, where ``#/$defs/...`` resolves
     against the document's root."""
@@ -57,7 +59,7 @@ def openapi_body(model_cls: type[BaseModel]) -> dict[str, Any]:
         return node
 
     content = {"application/json": {"schema": inline(schema)}}
-    return {"requestBody": {"required": True, "content": content}}
+    return {"requestBody": {"required": True, "content": content}, "responses": generation_responses()}
 
 
 EngineDep = Annotated[Engine, Depends(_engine)]
