@@ -167,3 +167,25 @@ def unreachable_message(result: ReachabilityResult, port: int) -> str:
         "  - in Docker: set PUBLIC_IP (and publish the port) in docker-compose.yml;\n"
         "  - for a private swarm on one LAN whose peers reach these addresses: --no-reachability-check."
     )
+
+
+async def startup_check(
+    p2p: P2P, visible: Sequence[object], initial_peers: Sequence[str], **dht_kw
+) -> ReachabilityResult:
+    """The worker's check at start-up (``check_reachability`` on its visible maddrs), with its log lines.
+
+    ``dht_kw``: ``dht``, ``dht_prefix``, ``num_blocks`` for finding ONLINE servers to ask."""
+    loop = asyncio.get_running_loop()
+    began = loop.time()
+    result = await check_reachability(p2p, own_maddrs(visible), initial_peers, **dht_kw)
+    took = loop.time() - began
+    if result.reachability is Reachability.UNKNOWN:
+        logger.warning(
+            "reachability check: no peer could check whether the swarm reaches %s (%s); going on unchecked",
+            " ".join(result.maddrs),
+            "no peers to ask" if not result.answers else "; ".join(f"{a.peer_id}: {a.error}" for a in result.answers),
+        )
+    elif result.direct:
+        checkers = sum(1 for a in result.answers if a.reachable)
+        print(f"swarmserve worker: reachable directly (dialed back by {checkers} peer(s) in {took:.2f} s)", flush=True)
+    return result

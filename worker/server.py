@@ -8,7 +8,6 @@ import random
 import signal
 import tempfile
 import time
-from dataclasses import dataclass, field
 from typing import AsyncIterator  # noqa: UP035 - as in hivemind's stream signatures
 
 import torch
@@ -21,6 +20,7 @@ from swarm_client import protocol
 from swarm_client.config import default_dht_prefix
 from swarm_client.dht_records import (
     PROTOCOL_VERSION,
+    Reachability,
     ServerInfo,
     ServerState,
     fetch_block_records,
@@ -31,15 +31,17 @@ from swarm_client.dht_records import (
 )
 from swarm_client.families import get_family
 from swarm_client.model_source import resolve_model_path
-from swarm_client.protocol import MAX_STEP_TOKENS
 from worker.announce import declare_span
 from worker.block_selection import choose_best_blocks
 from worker.cache import CacheManager
 from worker.compute import SpanRunner
+from worker.config import WorkerConfig, announce_list
 from worker.handler import BlockHandler, HandlerLimits
 from worker.loading import load_blocks, resolve_dtype
-from worker.message_cap import DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_MAX_RECEIVING_BYTES, install_message_cap
+from worker.message_cap import DEFAULT_MAX_RECEIVING_BYTES, install_message_cap
 from worker.metrics import WorkerMetrics
+from worker.reachability import startup_check, unreachable_message
+from worker.reachability_service import ReachabilityService
 from worker.rebalance import (
     HandlerSwitch,
     balancing_view,
@@ -50,67 +52,10 @@ from worker.rebalance import (
     tombstone,
 )
 from worker.throughput import measure_throughput
-from worker.uploads import DEFAULT_UPLOAD_BUDGET
 
 logger = logging.getLogger("swarmserve.worker")
 #: a push stream that cannot be opened within this is given up (the client's own copies still arrive)
 PUSH_CONNECT_TIMEOUT = 5.0
-
-
-@dataclass
-class WorkerConfig:
-    model: str
-    initial_peers: list[str] = field(default_factory=list)
-    blocks: tuple[int, int] | None = None
-    num_blocks: int | None = None
-    device: str = "cpu"
-    dtype: str = "auto"
-    #: on a float32 CPU server, projections run on packed weights: "auto" (our panel kernel where it builds,
-    #: else oneDNN), "panels", "onednn" or "torch" (worker/cpu_kernels.py)
-    cpu_kernels: str = "auto"
-    cache_tokens: int = 16384
-    session_ttl: float = 300.0
-    idle_timeout: float = 300.0
-    host: str = "127.0.0.1"
-    port: int = 0
-    #: announce ``/ip4/public_ip/tcp/port`` (needs a fixed ``port``) instead of the addresses we listen on
-    public_ip: str | None = None
-    #: announce these multiaddrs too (each with an explicit port); with neither, hivemind announces ours
-    announce_maddrs: list[str] = field(default_factory=list)
-    dht_prefix: str | None = None
-    update_period: float = 5.0
-    expiration: float | None = None
-    drain_timeout: float = 10.0
-    throughput: float | None = None
-    public_name: str | None = None
-    max_sessions_per_peer: int = 1024
-    #: sessions of all peers together (detached ones are evicted first)
-    max_sessions: int = 4096
-    #: one serialized tensor may not exceed this (checked on the wire, before deserializing)
-    max_tensor_bytes: int = 256 * 2**20
-    #: one inference step may carry at most this many tokens (batch × length; clients split prefills)
-    max_step_tokens: int = MAX_STEP_TOKENS
-    #: one stream message may not exceed this, checked on its header before hivemind reads it (worker/message_cap.py)
-    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
-    #: bytes of forward/backward uploads held at once, all requests together (worker/uploads.py)
-    max_upload_bytes: int = DEFAULT_UPLOAD_BUDGET
-    #: a ``--num-blocks`` server moves only if that makes the weakest block this much stronger
-    #: (``current_min < balance_quality * new_min``; see ``worker.block_selection``)
-    balance_quality: float = 0.75
-    #: seconds (jittered ±50%) between balance checks of a ``--num-blocks`` server; 0 disables moving
-    rebalance_period: float = 60.0
-    #: test-only: "KIND[:AFTER_STEPS]" with KIND in nan, hang, wrong-shape, noise, slow
-    fault: str | None = None
-    #: serve Prometheus metrics on ``host:metrics_port`` (worker/metrics.py); 0 = off
-    metrics_port: int = 0
-
-
-def announce_list(cfg: WorkerConfig) -> list[str]:
-    """``cfg.announce_maddrs`` plus ``/ipN/public_ip/tcp/port``; ``ValueError`` if ``public_ip`` has no fixed port."""
-    if cfg.public_ip and not cfg.port:
-        raise ValueError("public_ip needs a fixed port (the one forwarded to this server), not 0")
-    ip = cfg.public_ip and f"/ip{6 if ':' in cfg.public_ip else 4}/{cfg.public_ip}/tcp/{cfg.port}"
-    return list(cfg.announce_maddrs) + ([ip] if ip else [])
 
 
 class BlockServer:
@@ -132,6 +77,8 @@ class BlockServer:
         self.throughput = 1.0
         self._stop = asyncio.Event()
         self._p2p: P2P | None = None
+        self.checker = ReachabilityService()  # we answer newcomers' reachability checks too
+        self.reachability: Reachability | None = None
         self.metrics = WorkerMetrics(lambda: self.switch.handlers if self.switch is not None else [])
 
     # ------------------------------------------------------------------ lifecycle
@@ -154,18 +101,26 @@ class BlockServer:
         print(f"swarmserve worker: listening on {cfg.host}:{cfg.port}, announcing {visible}", flush=True)
         if not announce and cfg.host in ("0.0.0.0", "::"):
             logger.warning("no --public-ip / --announce-maddrs: behind NAT or in a container these are private")
+        install_message_cap(cfg.max_message_bytes, max(DEFAULT_MAX_RECEIVING_BYTES, 4 * cfg.max_message_bytes))
+        self._p2p = p2p = await self.dht.replicate_p2p()
+        check = cfg.reachability_check or None  # runs while we choose the span and load the weights
+        if check:
+            kw = {"dht": self.dht, "dht_prefix": self.dht_prefix, "num_blocks": self.total_blocks}
+            check = asyncio.create_task(startup_check(p2p, self.dht.get_visible_maddrs(), cfg.initial_peers, **kw))
         self.start, self.end = await asyncio.to_thread(self._choose_span)
         logger.info("chose blocks %d:%d of %d", self.start, self.end, self.total_blocks)
         await self._announce(ServerState.JOINING)
 
         self.handler = await self._build_handler(self.start, self.end)
         self.switch = HandlerSwitch(self.handler)
-        install_message_cap(
-            self.cfg.max_message_bytes, max(DEFAULT_MAX_RECEIVING_BYTES, 4 * self.cfg.max_message_bytes)
-        )
-        p2p = await self.dht.replicate_p2p()
-        self._p2p = p2p
         await self.switch.add_p2p_handlers(p2p)
+        await self.checker.add_p2p_handlers(p2p)
+        if check:
+            result = await check
+            if result.unreachable:  # a relay fallback would act here; for now: never ONLINE, say how to fix
+                await self._announce(ServerState.OFFLINE)  # replaces our JOINING records
+                raise SystemExit(unreachable_message(result, cfg.port))
+            self.reachability = result.reachability
         self.state = ServerState.ONLINE
         await self._announce(ServerState.ONLINE)
         maddrs = [str(m) for m in self.dht.get_visible_maddrs()]
@@ -261,6 +216,7 @@ class BlockServer:
             await asyncio.sleep(0.05)
         for handler in self.switch.handlers:
             handler.executor.shutdown(wait=False, cancel_futures=True)
+        await self.checker.close()
         self.dht.shutdown()
         self.metrics.close()
         print("swarmserve worker: stopped", flush=True)
@@ -292,6 +248,7 @@ class BlockServer:
             dtype=str(self.dtype).removeprefix("torch."),
             public_name=self.cfg.public_name,
             features=(protocol.STEP_BUNDLES,),
+            reachability=self.reachability,
         )
 
     async def _announce(
@@ -392,6 +349,7 @@ def run_worker(cfg: WorkerConfig) -> None:
         try:
             await server.run()
         finally:  # a worker that dies of an exception must not leave its DHT process (and p2pd) orphaned
+            await server.checker.close()
             if server.dht is not None and server.dht.is_alive():
                 server.dht.shutdown()
 

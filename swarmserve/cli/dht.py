@@ -6,7 +6,9 @@ NAT or in a container tells the swarm to dial instead of the addresses it listen
 from __future__ import annotations
 
 import argparse
+import asyncio
 import ipaddress
+import threading
 
 from swarmserve.cli.common import add_listen_flags, stop_on_signals, subcommand
 from swarmserve.launcher import DHT_READY
@@ -96,8 +98,22 @@ def run(args: argparse.Namespace, rest: list[str]) -> int:
     if announce:
         print(f"swarmserve dht: listening on {args.host}:{args.port}, announcing {' '.join(announce)}", flush=True)
     with stop_on_signals() as stop:
-        for maddr in dht.get_visible_maddrs():
-            print(f"{DHT_READY} {maddr}", flush=True)
-        stop.wait()
+        asyncio.run(_serve(dht, stop))
         dht.shutdown()
     return 0
+
+
+async def _serve(dht, stop: threading.Event) -> None:
+    """Answer newcomers' reachability checks (worker/reachability_service.py) until ``stop``; the ready
+    lines come once the RPC is served, so a worker started on them can be checked at once."""
+    from worker.reachability_service import ReachabilityService
+
+    service = ReachabilityService()
+    await service.add_p2p_handlers(await dht.replicate_p2p())
+    try:
+        for maddr in dht.get_visible_maddrs():
+            print(f"{DHT_READY} {maddr}", flush=True)
+        while not stop.is_set():
+            await asyncio.sleep(0.2)
+    finally:
+        await service.close()

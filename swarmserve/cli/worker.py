@@ -70,6 +70,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     add_listen_flags(p, "the server's libp2p transport", 0)
     add_announce_flags(p)
+    p.add_argument(
+        "--no-reachability-check",
+        action="store_true",
+        help="go ONLINE without asking peers to dial this server back first (a private swarm on one LAN); "
+        "by default a server nobody can reach exits with what to fix instead of going ONLINE",
+    )
     p.add_argument("--dht-prefix", default=None, help="DHT namespace (default: the model's basename)")
     p.add_argument("--update-period", type=float, default=5.0, help="seconds between DHT announcements")
     p.add_argument("--throughput", type=float, default=None, help="announce this tok/s instead of measuring")
@@ -139,6 +145,7 @@ def run(args: argparse.Namespace, rest: list[str]) -> int:
             rebalance_period=args.rebalance_period,
             fault=args.fault,
             metrics_port=args.metrics_port,
+            reachability_check=not args.no_reachability_check,
         )
     )
     return 0
