@@ -29,6 +29,7 @@ import torch
 from transformers import AutoTokenizer
 
 from gateway.backend import DecodeSession, RouteHopInfo, SessionRoute, SessionSnapshot, context_window
+from gateway.swarm_view import reachability_label
 from swarm_client import runtime
 from swarm_client.config import default_dht_prefix, parse_initial_peers
 from swarm_client.dht_records import ServerState
@@ -309,6 +310,7 @@ class SwarmBackend:
         trusted = list(self.manager.trusted_peers)
         measured = self.manager.step_times.throughputs()
         believed = self.manager.effective_throughputs()
+        banned = self.manager.bans.banned()
         rows = []
         for peer_id, span in sorted(spans.items(), key=lambda kv: (kv[1].start, kv[1].end, kv[0])):
             info = span.server_info
@@ -325,6 +327,7 @@ class SwarmBackend:
                     "cache_tokens_left": int(info.cache_tokens_left),
                     "public_name": info.public_name,
                     "trusted": peer_id in trusted,
+                    "reachability": reachability_label(info.reachability, peer_id in banned),
                 }
             )
         return {

@@ -17,13 +17,22 @@ import inspect
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-__all__ = ["STATE_MAX_AGE_S", "THREAD_NAME_PREFIX", "SwarmView"]
+__all__ = ["STATE_MAX_AGE_S", "THREAD_NAME_PREFIX", "SwarmView", "reachability_label"]
 
 #: how old a swarm view ``/health`` and ``/v1/swarm`` may answer from (probes and pages poll them: one DHT
 #: read per interval serves them all)
 STATE_MAX_AGE_S = 2.0
 #: the reading thread's name starts with this (tests look for it)
 THREAD_NAME_PREFIX = "swarm-view"
+
+
+def reachability_label(announced: object, banned: bool = False) -> str:
+    """A server's reachability as ``/v1/swarm`` shows it: "unreachable from here" while this client bans it
+    (it failed us, e.g. a dial or ping), else what the server announced (``direct`` / ``relayed`` /
+    ``unknown``: its start-up check, ``worker/reachability.py``), or "not checked"."""
+    if banned:
+        return "unreachable from here"
+    return str(getattr(announced, "value", announced)) if announced else "not checked"
 
 
 class SwarmView:

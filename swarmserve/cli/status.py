@@ -56,6 +56,12 @@ def run(args: argparse.Namespace, rest: list[str]) -> int:
     return 1 if missing else 0
 
 
+def reachability_label(announced: object) -> str:
+    """How the swarm reaches a server as it announced it (``Reachability``), or "not checked" (a server started
+    with ``--no-reachability-check``, or older than the check)."""
+    return str(getattr(announced, "value", announced)) if announced else "not checked"
+
+
 def render_status(prefix: str, num_blocks: int, spans: Mapping[str, Any], *, as_json: bool = False) -> tuple[str, list]:
     """The swarm as a table (one row per server, one column per block) plus coverage; also the missing
     blocks. ``spans``: peer id → ``RemoteSpanInfo``. Servers are named by their full peer id (as the
@@ -80,6 +86,7 @@ def render_status(prefix: str, num_blocks: int, spans: Mapping[str, Any], *, as_
                     "throughput": s.server_info.throughput,
                     "cache_tokens_left": s.server_info.cache_tokens_left,
                     "public_name": s.server_info.public_name,
+                    "reachability": reachability_label(s.server_info.reachability),
                 }
                 for s in ordered
             ],
@@ -90,8 +97,9 @@ def render_status(prefix: str, num_blocks: int, spans: Mapping[str, Any], *, as_
     names = [s.server_info.public_name or s.peer_id for s in ordered]
     width = max([len("server"), *map(len, names)])
     lines = [f"swarm {prefix!r}: {num_blocks} blocks, {len(ordered)} server(s)"]
-    lines.append(f"{'server':<{width}} {'blocks':>9}  {'state':<7} {'throughput':>12} {'cache left':>10}  map")
-    pad = width + 45  # where the map column starts
+    head = f"{'server':<{width}} {'blocks':>9}  {'state':<7} {'reachability':<12} {'throughput':>12}"
+    lines.append(f"{head} {'cache left':>10}  map")
+    pad = width + 58  # where the map column starts
     ruler = "".join(str(b // 10 % 10) if b % 10 == 0 else " " for b in range(num_blocks))
     lines += [f"{'':<{pad}}{ruler}".rstrip(), f"{'':<{pad}}{''.join(str(b % 10) for b in range(num_blocks))}"]
     for s, name in zip(ordered, names, strict=True):
@@ -100,6 +108,7 @@ def render_status(prefix: str, num_blocks: int, spans: Mapping[str, Any], *, as_
         row = "".join(mark if s.start <= b < s.end else "·" for b in range(num_blocks))
         lines.append(
             f"{name:<{width}} {f'{s.start}:{s.end}':>9}  {state.name:<7} "
+            f"{reachability_label(s.server_info.reachability):<12} "
             f"{s.server_info.throughput:>8.1f} t/s {s.server_info.cache_tokens_left:>10}  {row}"
         )
     counts = "".join(str(min(len(p), 9)) if p else "!" for p in per_block)
