@@ -13,6 +13,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -120,25 +121,28 @@ def test_delay_through_the_nat_router(lab):
     assert_rtt(echo_rtts(lab, "rtr-lan", C), 20, 200)  # only c's 20 ms left
 
 
-#: a hivemind DHT node; with a peer's multiaddr, it pings that peer over hivemind's RPC and prints the RTTs
+#: a hivemind DHT node at ``argv[1]``; ``serve``: prints its multiaddr, runs until stdin closes; ``ping``: reads a
+#: multiaddr from stdin (after importing hivemind, so both sides import at once), pings it, prints the RTTs
 DHT_NODE = r"""
-import json, sys, time
-from hivemind import DHT, PeerID
-host, peer = sys.argv[1], sys.argv[2:]
+import json, os, sys, time
+from hivemind import DHT
+from hivemind.p2p import PeerID
+host, serve = sys.argv[1], sys.argv[2] == "serve"
+peer = [] if serve else [sys.stdin.readline().strip()]
+async def ping(_, node):  # defined before the DHT forks, which then finds it in __main__
+    target, rtts = PeerID.from_base58(peer[0].rsplit("/", 1)[1]), []
+    for _ in range(6):
+        t0 = time.perf_counter()
+        assert await node.protocol.call_ping(target) is not None
+        rtts.append(1000 * (time.perf_counter() - t0))
+    return rtts
 dht = DHT(host_maddrs=[f"/ip4/{host}/tcp/0"], initial_peers=peer, start=True)
-if not peer:
+if serve:
     print("MADDR " + str(dht.get_visible_maddrs()[0]), flush=True)
     sys.stdin.read()
 else:
-    async def ping(_, node):
-        target, rtts = PeerID.from_base58(peer[0].rsplit("/", 1)[1]), []
-        for _ in range(6):
-            t0 = time.perf_counter()
-            assert await node.protocol.call_ping(target) is not None
-            rtts.append(1000 * (time.perf_counter() - t0))
-        return rtts
     print("RTTS " + json.dumps(dht.run_coroutine(ping)), flush=True)
-dht.shutdown()
+os._exit(0)  # no waiting on the p2p daemon's shutdown
 """
 
 
@@ -146,35 +150,34 @@ def test_hivemind_rpc_is_delayed(lab):
     """A hivemind DHT ping from c to a with 25 ms each way: the figure is printed; the bound is the echo's."""
     lab.delay_between("a", "c", 25)
     lab.delay_between("c", "a", 25)
-    argv = lab.argv(lab.namespace_of("a"), sys.executable, "-c", DHT_NODE, A)
     # output to files, not pipes: p2pd inherits them and outlives the python process until the lab goes
     with tempfile.TemporaryFile("w+") as out_a, tempfile.TemporaryFile("w+") as out_c:
-        node = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=out_a, stderr=subprocess.STDOUT, text=True)
+        nodes = [_dht_node(lab, "a", A, "serve", out_a), _dht_node(lab, "c", C, "ping", out_c)]
         try:
-            maddr = _wait_line(out_a, "MADDR ", node)
-            argv = lab.argv(lab.namespace_of("c"), sys.executable, "-c", DHT_NODE, C, maddr)
-            subprocess.run(argv, stdout=out_c, stderr=subprocess.STDOUT, timeout=60)
-            out_c.seek(0)
-            text = out_c.read()
+            maddr = _wait_line(out_a, "MADDR ", nodes[0])
+            nodes[1].communicate(maddr + "\n", timeout=60)
+            rtts = json.loads(_wait_line(out_c, "RTTS ", nodes[1], timeout=0))
         finally:
-            node.kill()
-            node.wait(timeout=10)
-    lines = [line for line in text.splitlines() if line.startswith("RTTS ")]
-    assert lines, text[-3000:]
-    rtts = json.loads(lines[-1].removeprefix("RTTS "))
+            for node in nodes:
+                node.kill()
+                node.wait(timeout=10)
     print(f"hivemind DHT ping c -> a at 25 ms one-way: {[round(r, 1) for r in rtts]} ms")
     assert min(rtts) >= 50 and statistics.median(rtts) < 200, rtts
 
 
-def _wait_line(out, prefix: str, proc: subprocess.Popen, timeout: float = 60.0) -> str:
-    import time
+def _dht_node(lab: NetLab, host: str, address: str, role: str, out) -> subprocess.Popen:
+    argv = lab.argv(lab.namespace_of(host), sys.executable, "-c", DHT_NODE, address, role)
+    return subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=out, stderr=subprocess.STDOUT, text=True)
 
+
+def _wait_line(out, prefix: str, proc: subprocess.Popen, timeout: float = 60.0) -> str:
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+    while True:
         out.seek(0)
-        for line in out.read().splitlines():
+        text = out.read()
+        for line in text.splitlines():
             if line.startswith(prefix):
                 return line.removeprefix(prefix).strip()
-        assert proc.poll() is None, f"exited {proc.returncode}"
+        assert proc.poll() is None, f"exited {proc.returncode} without a {prefix!r} line:\n{text[-3000:]}"
+        assert time.monotonic() < deadline, f"no {prefix!r} line in {timeout} s:\n{text[-3000:]}"
         time.sleep(0.1)
-    raise TimeoutError(f"no {prefix!r} line in {timeout} s")
