@@ -6,18 +6,28 @@ scripts/setup.sh test
 # shellcheck disable=SC1091
 . .venv/bin/activate
 # What the integration tests need outside Python, installed when missing and we may (root, Debian):
-# redis-server (affinity, rate limits), chromium (the /swarm and /docs pages in a real browser) and
-# iptables (the network-namespace lab's NAT router, tests/netlab.py).
+# redis-server (affinity, rate limits), chromium (the /swarm and /docs pages in a real browser),
+# iptables (the network-namespace lab's NAT router, tests/netlab.py) and, for the lab's emulated delays
+# (tests/netlab_delay.py), the Python package netfilterqueue, built here against libnetfilter-queue-dev.
 # SWARMSERVE_REQUIRE (set by .ci/run) turns the tests' skips for what is still missing into failures.
 missing=""
 command -v redis-server >/dev/null 2>&1 || [ -n "${REDIS_URL:-}" ] || missing="$missing redis-server"
 command -v chromium >/dev/null 2>&1 || missing="$missing chromium"
 command -v iptables >/dev/null 2>&1 || missing="$missing iptables"
+nfq_header=/usr/include/libnetfilter_queue/libnetfilter_queue.h
+if ! python -c "import netfilterqueue" 2>/dev/null; then
+  [ -e "$nfq_header" ] || missing="$missing libnetfilter-queue-dev"
+  command -v cc >/dev/null 2>&1 || missing="$missing build-essential"
+fi
 if [ -n "$missing" ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
   echo "installing:$missing"
   # shellcheck disable=SC2086
   apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $missing >/dev/null \
     || echo "could not install$missing: the tests that need them skip (or fail under SWARMSERVE_REQUIRE)"
+fi
+if ! python -c "import netfilterqueue" 2>/dev/null && [ -e "$nfq_header" ]; then
+  python -m pip install --quiet netfilterqueue==1.1.0 \
+    || echo "could not build netfilterqueue: the lab's delay tests skip (or fail under SWARMSERVE_REQUIRE)"
 fi
 redis_pid=""
 if [ -z "${REDIS_URL:-}" ] && command -v redis-server >/dev/null 2>&1; then

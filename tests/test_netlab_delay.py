@@ -147,7 +147,8 @@ os._exit(0)  # no waiting on the p2p daemon's shutdown
 
 
 def test_hivemind_rpc_is_delayed(lab):
-    """A hivemind DHT ping from c to a with 25 ms each way: the figure is printed; the bound is the echo's."""
+    """A hivemind DHT ping from c to a with 25 ms each way: the figure is printed; only the 50 ms floor
+    is asserted (no upper bound: hivemind's own overhead is 1-30 ms idle, more under load)."""
     lab.delay_between("a", "c", 25)
     lab.delay_between("c", "a", 25)
     # output to files, not pipes: p2pd inherits them and outlives the python process until the lab goes
@@ -162,7 +163,7 @@ def test_hivemind_rpc_is_delayed(lab):
                 node.kill()
                 node.wait(timeout=10)
     print(f"hivemind DHT ping c -> a at 25 ms one-way: {[round(r, 1) for r in rtts]} ms")
-    assert min(rtts) >= 50 and statistics.median(rtts) < 200, rtts
+    assert min(rtts) >= 50, rtts  # a floor only: hivemind's own overhead grows with the machine's load
 
 
 def _dht_node(lab: NetLab, host: str, address: str, role: str, out) -> subprocess.Popen:
