@@ -189,6 +189,7 @@ def test_health_and_swarm_state(swarm_gw: Gateway, the_swarm: Swarm) -> None:
         assert f"{spans[peer_id]['start']}:{spans[peer_id]['end']}" == span
         assert spans[peer_id]["state"] == "ONLINE"
         assert spans[peer_id]["cache_tokens_left"] > 0
+        assert spans[peer_id]["reachability"] == "direct"  # the `swarmserve dht` node dialed it back at start-up
     first, second = (w.peer_id for w in the_swarm.workers)
     assert state["blocks"] == [[first], [first], [second], [second]]
 

@@ -4,8 +4,9 @@ Public side (one bridge): the DHT bootstrap, a worker of blocks 0:2 and the clie
 router: the only worker of blocks 2:4.
 - With a port forward and ``--public-ip <router> --port <forwarded>``, it announces the router's address and
   the client generates through both workers directly: greedy tokens equal to the local 🤗 model's.
-- Without (today's default behaviour: it announces its private address, and still goes ONLINE), what the
-  client sees is recorded and printed, not asserted: it is the baseline for a reachability check.
+  Its start-up reachability check (worker/reachability.py) finds it "direct", as ``swarmserve status`` shows.
+- Without, it announces its private address: the swarm's peers cannot dial it back, so it never goes
+  ONLINE and exits non-zero within 30 s, naming the fix (a port forward and ``--public-ip``).
 
 Every wait is bounded; the lab's namespaces and everything running in them go when a test ends.
 """
@@ -13,16 +14,18 @@ Every wait is bounded; the lab's namespaces and everything running in them go wh
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 import pytest
 import torch
 
-from swarmserve.launcher import DHT_READY, WORKER_READY, ChildProcess, WorkerProcess, child_env
+from swarmserve.launcher import DHT_READY, WORKER_READY, ChildProcess, WorkerProcess, child_env, swarmserve_argv
 from tests.conftest import require_or_skip
 from tests.netlab import NetLab, unavailable
 
@@ -68,9 +71,12 @@ def reference(local_llama) -> list[int]:
 
 
 @contextmanager
-def nat_swarm(model: str, forward: bool, *nat_worker_flags: str) -> Iterator[tuple[NetLab, str, WorkerProcess]]:
+def nat_swarm(
+    model: str, forward: bool, *nat_worker_flags: str, wait: bool = True
+) -> Iterator[tuple[NetLab, str, WorkerProcess]]:
     """The lab with the DHT and worker 0:2 public, worker 2:4 behind the router; yields (lab, dht maddr,
-    the NATed worker) once both workers are ONLINE."""
+    the NATed worker) once both workers are ONLINE (without ``wait``: the public one; the NATed one is
+    started once it is, ``started_at`` set to ``time.monotonic()`` then)."""
     procs: list[ChildProcess] = []
     with NetLab() as lab:
         try:
@@ -86,11 +92,14 @@ def nat_swarm(model: str, forward: bool, *nat_worker_flags: str) -> Iterator[tup
             w1 = lab.spawn(w1_ns, "w1", [*common, "--blocks", "0:2", "--host", "10.231.0.3", "--port", str(PORT)], ENV,
                            cls=WorkerProcess)  # fmt: skip
             procs.append(w1)
+            w1.wait_for(WORKER_READY, timeout=READY_TIMEOUT)
+            started_at = time.monotonic()
             w2 = lab.spawn(home, "w2", [*common, "--blocks", "2:4", "--host", "0.0.0.0", "--port", str(PORT),
                                         *nat_worker_flags], ENV, cls=WorkerProcess)  # fmt: skip
             procs.append(w2)
-            for worker in (w1, w2):
-                worker.wait_for(WORKER_READY, timeout=READY_TIMEOUT)
+            w2.started_at = started_at
+            if wait:
+                w2.wait_for(WORKER_READY, timeout=READY_TIMEOUT)
             yield lab, maddr, w2
         finally:
             for proc in reversed(procs):
@@ -111,6 +120,21 @@ def run_client(lab: NetLab, model: str, maddr: str, timeout: float) -> dict:
     return json.loads(lines[-1].removeprefix("RESULT "))
 
 
+def swarm_status(lab: NetLab, model: str, maddr: str) -> dict:
+    """``swarmserve status --json``, run on the public side."""
+    client_ns = next(ns for ns in lab.public if ns.endswith("-client"))
+    argv = lab.argv(client_ns, *swarmserve_argv("status", "--initial-peers", maddr, "--model", model, "--json"))
+    with tempfile.TemporaryFile("w+") as out:  # a file, not a pipe: see run_client
+        subprocess.run(argv, stdout=out, stderr=subprocess.DEVNULL, text=True, timeout=60, env=ENV)
+        out.seek(0)
+        text = out.read()
+    return json.loads(text[text.index("{") :])
+
+
+def peer_of(worker: WorkerProcess) -> str:
+    return next(line for line in worker.lines if "announcing" in line).rsplit("/p2p/", 1)[1].split()[0]
+
+
 def test_worker_behind_nat_with_a_port_forward_and_public_ip_is_used_directly(tiny_llama, reference):
     with nat_swarm(tiny_llama, True, "--public-ip", ROUTER) as (lab, maddr, w2):
         announced = next(line for line in w2.lines if "announcing" in line)
@@ -118,14 +142,23 @@ def test_worker_behind_nat_with_a_port_forward_and_public_ip_is_used_directly(ti
         result = run_client(lab, tiny_llama, maddr, timeout=180)
         print(f"client through the NATed worker: {result}")
         assert result.get("tokens") == reference, (result, w2.tail(30))
+        servers = {s["peer_id"]: s for s in swarm_status(lab, tiny_llama, maddr)["servers"]}
+        assert servers[peer_of(w2)]["reachability"] == "direct", servers
 
 
-def test_worker_behind_nat_announcing_its_private_address(tiny_llama, reference):
-    """Today's behaviour without a port forward or --public-ip: recorded (printed), timings not asserted."""
-    with nat_swarm(tiny_llama, False) as (lab, maddr, w2):
-        announced = next(line for line in w2.lines if "announcing" in line)
-        result = run_client(lab, tiny_llama, maddr, timeout=240)
-        print(f"NATed worker announces: {announced}\nclient saw after {result['seconds']} s: {result}")
-        # the worker went ONLINE all the same; the client either fails naming the unserved blocks or (once
-        # reachability checks or relays exist) gets the right tokens
-        assert result.get("tokens") == reference or "NoRouteError" in result.get("error", ""), result
+def test_worker_behind_nat_announcing_its_private_address_refuses_to_go_online(tiny_llama):
+    """No port forward, no --public-ip: the swarm cannot dial it back, so it exits naming the fix."""
+    with nat_swarm(tiny_llama, False, wait=False) as (lab, maddr, w2):
+        w2.wait_for(re.compile("--no-reachability-check"), timeout=60)  # the message's last line
+        rc = w2.popen.wait(timeout=30)
+        took = time.monotonic() - w2.started_at
+        output = "\n".join(w2.lines)
+        print(f"NATed worker exited {rc} after {took:.1f} s:\n{w2.tail(20)}")
+        assert rc != 0 and took < 30, (rc, took, output[-3000:])
+        assert not any(line.startswith(WORKER_READY) for line in w2.lines), output[-3000:]
+        assert "NOT REACHABLE" in output and "could NOT dial us" in output, output[-3000:]
+        assert f"forward TCP port {PORT}" in output and "--public-ip" in output, output[-3000:]
+        assert "--no-reachability-check" in output
+        status = swarm_status(lab, tiny_llama, maddr)
+        assert all(s["state"] != "ONLINE" for s in status["servers"] if s["peer_id"] == peer_of(w2)), status
+        assert status["missing_blocks"] == [2, 3], status

@@ -8,6 +8,7 @@ serving, and ``check_reachability`` turns answers into DIRECT / unreachable / UN
 
 from __future__ import annotations
 
+import re
 import socket
 from collections.abc import AsyncIterator
 
@@ -17,6 +18,7 @@ from hivemind.proto import runtime_pb2
 
 from swarm_client import protocol
 from swarm_client.dht_records import Reachability
+from swarmserve.launcher import WORKER_READY
 from worker.reachability import check_reachability, checker_candidates, own_maddrs, unreachable_message
 from worker.reachability_service import ReachabilityService, parse_caller_maddrs
 
@@ -125,3 +127,20 @@ def test_parse_caller_maddrs_and_candidates():
     peers = [f"/ip4/1.2.3.4/tcp/1/p2p/{me}", "/ip4/1.2.3.4/tcp/2"]  # myself, and one without a peer id
     other = PeerID.from_base58("QmcgpsyWgH8Y8ajJz1Cu72KnS5uo2Aa2LpzU7kinSupNKC").to_base58()
     assert checker_candidates(peers, [me, other], me) == [other]
+
+
+def test_workers_check_at_start_up(tiny_llama):
+    """Real processes on loopback: a worker announcing a black hole never goes ONLINE and exits naming the
+    fix; with ``--no-reachability-check`` the same worker goes ONLINE (nobody asked to dial it)."""
+    from tests.swarm_fixtures import Swarm
+
+    hole = ["--throughput", "100", "--announce-maddrs", f"/ip4/127.0.0.1/tcp/{closed_port()}"]
+    with Swarm(tiny_llama) as swarm:  # its `swarmserve dht` node is the checker
+        refused = swarm.add_worker(*hole, blocks="0:4", wait=False)
+        refused.wait_for(re.compile("--no-reachability-check"), timeout=60)  # the message's last line
+        assert refused.popen.wait(timeout=30) != 0
+        output = "\n".join(refused.lines)
+        assert "NOT REACHABLE" in output and hole[-1] in output and "could NOT dial us" in output, output
+        assert not any(line.startswith(WORKER_READY) for line in refused.lines), output
+
+        swarm.add_worker(*hole, "--no-reachability-check", blocks="0:4", timeout=60)

@@ -27,9 +27,9 @@ CHROMIUM = "/usr/bin/chromium"
 NUM_BLOCKS = 6
 SPANS = [
     {"peer_id": "12D3KooWAlphaAAAAbbbbCCCCddddEEEEffff11111111", "start": 0, "end": 3, "state": "ONLINE",
-     "throughput": 12.5, "cache_tokens_left": 1000, "public_name": "alpha"},
+     "throughput": 12.5, "cache_tokens_left": 1000, "public_name": "alpha", "reachability": "direct"},
     {"peer_id": "12D3KooWBravoAAAAbbbbCCCCddddEEEEffff22222222", "start": 2, "end": 5, "state": "ONLINE",
-     "throughput": 30.0, "cache_tokens_left": 500, "public_name": None},
+     "throughput": 30.0, "cache_tokens_left": 500, "public_name": None, "reachability": "unreachable from here"},
     {"peer_id": "12D3KooWCharlieAAAbbbbCCCCddddEEEEffff3333333", "start": 5, "end": 6, "state": "JOINING",
      "throughput": 5.0, "cache_tokens_left": 0, "public_name": None},
 ]  # fmt: skip
@@ -174,6 +174,8 @@ def test_page_shows_every_server_and_a_bar_per_block(healthy_gw: Gateway, tmp_pa
         assert s["peer_id"] in text  # the full id, as the workers, up and status print it
         assert f"{s['start']}:{s['end']}" in text
     assert "alpha" in text and "JOINING" in text
+    assert len(dom.with_class("reachability")) == len(SPANS)  # one cell per server
+    assert "direct" in text and "unreachable from here" in text
 
     bars = dom.with_class("block-bar")
     assert [int(b["data-block"]) for b in bars] == list(range(NUM_BLOCKS))
