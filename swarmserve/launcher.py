@@ -8,6 +8,7 @@ grace period, the DHT goes last. The child processes themselves are ``swarmserve
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import threading
@@ -76,6 +77,16 @@ def model_num_blocks(model: str | Path) -> int:
 
 
 # ---------------------------------------------------------------------------------------------- the swarm
+async def _serve_reachability_checks(dht: Any) -> Any:
+    """Answer the workers' start-up reachability checks (``worker.reachability_service``) on the inline DHT
+    node, as ``swarmserve dht`` does, from the client's I/O loop; returns the service (``close()`` it)."""
+    from worker.reachability_service import ReachabilityService
+
+    service = ReachabilityService()
+    await service.add_p2p_handlers(await dht.replicate_p2p())
+    return service
+
+
 class LocalSwarm:
     """A DHT and block-server children on this machine; every process binds to 127.0.0.1.
 
@@ -114,6 +125,7 @@ class LocalSwarm:
         self.workers: list[WorkerProcess] = []
         self.dht: Any = None
         self.dht_process: ChildProcess | None = None
+        self._checks: Any = None
         if dht == "inline":
             self._start_inline_dht()
         else:
@@ -134,6 +146,9 @@ class LocalSwarm:
         )
         mark_validated(self.dht)
         self.maddrs = [str(m) for m in self.dht.get_visible_maddrs()]
+        from swarm_client import runtime
+
+        self._checks = runtime.run(_serve_reachability_checks(self.dht), timeout=30)
 
     def _start_dht_process(self) -> None:
         self.dht_process = ChildProcess.spawn("dht", ["dht"], child_env(extra=self.extra_env), echo=self.echo)
@@ -211,6 +226,12 @@ class LocalSwarm:
     def close(self) -> None:
         if self.workers:
             stop_processes(self.workers, self.grace, self.say)
+        if self._checks is not None:
+            from swarm_client import runtime
+
+            with contextlib.suppress(Exception):
+                runtime.run(self._checks.close(), timeout=5)
+            self._checks = None
         if self.dht is not None:
             self.dht.shutdown()
             self.dht = None
