@@ -1,6 +1,7 @@
 """Can a hivemind peer behind a NAT be reached through a libp2p circuit relay? A reproducible probe.
 
-Root only (tests/netlab.py). ``.venv/bin/python -m load_tests.relay_probe [--watch 75]``; about 2.5 minutes.
+Root only (tests/netlab.py). ``.venv/bin/python -m load_tests.relay_probe [--watch 75]``: about 2 minutes.
+Findings: load_tests/results/relay-findings-2026-12-06.md.
 
 Lab: a public relay R (a plain hivemind peer: every p2pd with ``-relay=1``, hivemind's default, serves the
 circuit v2 hop protocol), a public client C, and one NATed peer per configuration below, each behind its own
@@ -14,7 +15,8 @@ RFC 1918 bridge can never yield one. Nothing leaves the machine (the lab routes 
 Daemons are started here, inside their namespaces, with the flags ``hivemind.P2P.create`` would pass for the
 named ``P2P.create`` kwargs (``hivemind_flags``), and driven with ``P2P.replicate`` over their unix sockets
 (which do not depend on the network namespace). The ``static`` configuration adds ``-relayDiscovery=0``,
-which ``P2P.create`` cannot pass. Prints what it sees; writes nothing.
+which ``P2P.create`` cannot pass. Prints what it sees; writes nothing. "relayed+direct" means DCUtR added a
+direct connection (the NATed peer dialled out to the client) beside the relayed one; libp2p then prefers it.
 """
 
 from __future__ import annotations
@@ -266,15 +268,23 @@ async def big_payload(client: P2P, peer: PeerID, size: int) -> None:
     await attempt(f"unary echo of {size >> 10} KiB", stub.rpc_echo(payload(size)))
 
 
-async def measure(client: P2P, nated: dict[str, Node], reachable: list[str]) -> None:
-    """Large payloads first (on a fresh connection: a relay's data limit counts all bytes of a circuit), then
-    latency, re-dialling if a payload reset the circuit."""
-    print("\n== large payloads, then latency (median of 100, ms; 64 B each way)")
+async def measure(client: P2P, nated: dict[str, Node], reachable: list[str], relays: dict[str, Node]) -> None:
+    """Large payloads first (a relay's data limit counts all bytes of a circuit), the most bytes a relay logged
+    for one of the peer's circuits (logged as a circuit closes: disconnect first), then latency, re-dialling."""
+    print("\n== large payloads, bytes through relays, then latency (median of 100, ms; 64 B each way)")
     for name in reachable:
         peer = nated[name].p2p.peer_id
         print(f"  {name}: {await conn_kind(client, peer)}")
-        for size in (100 << 10, 1 << 20):
+        for size in (100 << 10, 1 << 20, 3 << 20):
             await big_payload(client, peer, size)
+        await client._client.disconnect(peer)  # noqa: SLF001
+        await asyncio.sleep(1)
+        logged = [
+            x.split("relayed ")[1] for r in relays.values() for x in r.log if "relayed " in x and f"to {peer}" in x
+        ]
+        print(
+            f"    relays logged circuits to it carrying at most {max((int(x.split()[0]) for x in logged), default=0)} B"
+        )
         try:
             lat = await latency(client, peer)
             kind = await conn_kind(client, peer)
@@ -367,7 +377,7 @@ async def probe(watch: float, extra: int) -> None:
                 if await dial_tests(client.p2p, nated[cfg.name], relay.address, relay.p2p.peer_id):
                     reachable.append(cfg.name)
 
-            await measure(client.p2p, nated, reachable)
+            await measure(client.p2p, nated, reachable, relays)
             print("\n== daemon log excerpts")
             for node in nodes:
                 if hits := node.grep(*LOG_WORDS, limit=6):
@@ -381,7 +391,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--watch", type=float, default=75.0, help="seconds to watch the NATed peers' addresses")
     parser.add_argument("--extra", type=int, default=3, help="plain public DHT peers besides the two relays")
+    parser.add_argument("--subnet", default=PUBLIC, help="public /24 (10.231.0: relays on RFC 1918 addresses)")
     args = parser.parse_args()
+    globals()["PUBLIC"] = args.subnet
     asyncio.run(probe(args.watch, args.extra))
 
 
