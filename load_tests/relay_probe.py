@@ -194,10 +194,6 @@ def circuit_maddr(relay_maddr: str, relay: PeerID, target: PeerID) -> Multiaddr:
     return Multiaddr(Multiaddr(relay_maddr).to_bytes() + p2p(relay) + b"\xa2\x02" + p2p(target))  # a2 02: circuit
 
 
-def circuits(maddrs: list) -> list[str]:
-    return [str(m) for m in maddrs if "p2p-circuit" in str(m)]
-
-
 async def conn_kind(client: P2P, peer: PeerID) -> str:
     """ "relayed", "direct <addr>", both joined by "+" (one per open connection), or "not connected"."""
     addrs = [str(a) for info in await client._client.list_peers() if info.peer_id == peer for a in info.addrs]  # noqa: SLF001
@@ -341,7 +337,9 @@ async def watch_addrs(nated: dict[str, Node], watch: float) -> None:
     t0, first = time.monotonic(), {}
     while time.monotonic() - t0 < watch and len(first) < len(nated):
         for name, node in nated.items():
-            if name not in first and (found := circuits(await node.p2p.get_visible_maddrs(latest=True))):
+            if name not in first and (
+                found := [str(m) for m in await node.p2p.get_visible_maddrs(latest=True) if "p2p-circuit" in str(m)]
+            ):
                 first[name] = time.monotonic() - node.started
                 print(f"  t={first[name]:5.1f}s {name}: {found}")
         await asyncio.sleep(2)
