@@ -34,6 +34,9 @@ logger = logging.getLogger(__name__)
 #: default ``ClientConfig.spot_check_rate`` (its cost: load_tests/results/spot-check-cost-2026-12-06.json)
 DEFAULT_SPOT_CHECK_RATE = 0.03
 
+#: joining the DHT may take longer than one request (hivemind's default: its request timeout, 3 s)
+DHT_BOOTSTRAP_TIMEOUT = 3.0
+
 #: ``ClientConfig.pipeline_groups`` value: one group per server of each session's route
 AUTO_GROUPS = "auto"
 
@@ -64,6 +67,9 @@ class ClientConfig:
     failover_deadline: float = 60.0
     #: a new peer's first ping (its RTT) must answer within this, else the peer is banned as unreachable
     ping_timeout: float = 3.0
+    #: the client's DHT node deems a DHT request lost after this (hivemind's default, 3 s, is what one dead or
+    #: unreachable DHT peer added to a swarm read; hivemind then skips that peer for a while)
+    dht_wait_timeout: float = 1.0
     #: route discovery stops waiting for the pings of new peers once those that answered cover the blocks and
     #: this long passed since the pings started (``pings``: the rest go on in the background) ...
     ping_grace: float = 0.3
@@ -72,8 +78,8 @@ class ClientConfig:
     #: a step silent for this long triggers a liveness ping of its server (see _ServerSession)
     probe_after: float = 1.0
     #: a liveness ping of a silent step's server must answer within this; a busy server computing a long step
-    #: still answers pings at once (its event loop is free), so ...
-    silent_ping_timeout: float = 1.0
+    #: still answers pings at once (its event loop is free: 3.5 ms median, 42 ms max during a 2.5 s prefill), so ...
+    silent_ping_timeout: float = 0.75
     #: ... this many unanswered liveness pings in a row mean the server is gone (stopped, frozen, cut off), not
     #: busy: the step fails with ``PeerTimeout`` and failover starts
     silent_pings: int = 2
@@ -145,7 +151,14 @@ class SequenceManager:
         self.config = config
         if dht is None:  # validators: signed records are verified (and unwrapped) on every read
             validators = record_validators(config.dht_prefix, config.num_blocks)
-            dht = DHT(initial_peers=config.initial_peers, client_mode=True, start=True, record_validators=validators)
+            dht = DHT(
+                initial_peers=config.initial_peers,
+                client_mode=True,
+                start=True,
+                record_validators=validators,
+                wait_timeout=config.dht_wait_timeout,
+                bootstrap_timeout=DHT_BOOTSTRAP_TIMEOUT,
+            )
             mark_validated(dht)
             self._owns_dht = True
         else:

@@ -212,8 +212,9 @@ class _ServerSession:
         self.position = int(metadata.get("position", position + hidden.shape[1]))
         return out
 
-    async def close(self, keep: bool = False) -> None:
-        """Tell the server whether to keep the cache, end our side, and let the stream wind down."""
+    async def close(self, keep: bool = False, wait: bool = True) -> None:
+        """Tell the server whether to keep the cache, end our side, and let the stream wind down (without
+        ``wait``: a failed server's stream is dropped at once; the server frees the session when it notices)."""
         if self.closed:
             return
         self.closed = True
@@ -223,7 +224,9 @@ class _ServerSession:
         if self._responses is not None:
             self._queue.put_nowait(protocol.make_request(close={"keep": keep}))
         self._queue.put_nowait(None)
-        if self._reader is not None:
+        if self._reader is not None and not wait:
+            self._reader.cancel()
+        elif self._reader is not None:
             try:
                 await asyncio.wait_for(asyncio.shield(self._reader), 2.0)
             except Exception:

@@ -254,7 +254,7 @@ class InferenceSession:
         else:
             self.manager.ban(failed.hop.peer_id, str(error))
         replay_input = self._history[index].read(position)
-        await failed.close()
+        await failed.close(wait=isinstance(error, CacheExhaustedError))  # a failed server's goodbye is not awaited
         del self._hops[index]
         del self._history[index]
         sessions, histories = await replace_span(

@@ -1,0 +1,72 @@
+"""A server that goes silent without closing its connection (SIGSTOPped: a frozen machine, a cut link that
+nobody resets) is gone, not busy: the session fails over within seconds, not after the 30 s step timeout."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+from swarm_client import AutoDistributedModelForCausalLM
+from tests.swarm_fixtures import Swarm
+
+pytestmark = pytest.mark.slow
+
+PROMPT = torch.tensor([[3, 14, 15, 92, 65]])
+NEW_TOKENS = 16
+STOP_AT = 6
+
+
+@pytest.fixture(scope="module")
+def reference(local_llama) -> list[int]:
+    return local_llama.generate(PROMPT, max_new_tokens=NEW_TOKENS, do_sample=False)[0, PROMPT.shape[1] :].tolist()
+
+
+def _signal_group(pid: int, sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(os.getpgid(pid), sig)  # the worker with its DHT process and p2p daemon: the whole machine
+
+
+def test_sigstopped_server_fails_over_fast_with_identical_tokens(tiny_llama, reference):
+    s = Swarm(tiny_llama)
+    stopped: list[int] = []
+    model = None
+    try:
+        for span in ("0:2", "2:4", "2:4"):
+            s.add_worker(blocks=span)
+        model = AutoDistributedModelForCausalLM.from_pretrained(
+            tiny_llama, initial_peers=[s.initial_peers], failover_deadline=20, spot_check_rate=0.0
+        )
+        tokens, failover_s = [], None
+        with torch.inference_mode(), model.inference_session(max_length=64) as session:
+            logits = model(PROMPT, session=session).logits
+            for step in range(NEW_TOKENS):
+                token = logits[:, -1].argmax(-1, keepdim=True)
+                tokens.append(int(token))
+                if step + 1 == NEW_TOKENS:
+                    break
+                if step + 1 == STOP_AT:
+                    hop = next(h for h in session.route if h.start <= 2 < h.end)
+                    worker = next(w for w in s.workers if w.peer_id == hop.peer_id)
+                    _signal_group(worker.popen.pid, signal.SIGSTOP)
+                    stopped.append(worker.popen.pid)
+                    t0 = time.monotonic()
+                    logits = model(token, session=session).logits
+                    failover_s = time.monotonic() - t0
+                    continue
+                logits = model(token, session=session).logits
+        print(f"step after SIGSTOP of the serving replica answered in {failover_s:.2f}s (was: 30 s step timeout)")
+        assert tokens == reference
+        assert session.failovers >= 1
+        assert hop.peer_id not in {h.peer_id for h in session.route}
+        assert failover_s < 10.0  # expected ≈ 2-3 s: probe_after + silent_pings × silent_ping_timeout + replay
+    finally:
+        for pid in stopped:
+            _signal_group(pid, signal.SIGCONT)
+        if model is not None:
+            model.shutdown()
+        s.close()
