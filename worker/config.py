@@ -59,6 +59,9 @@ class WorkerConfig:
     metrics_port: int = 0
     #: ask peers to dial us back before going ONLINE (worker/reachability.py); off: announce reachability None
     reachability_check: bool = True
+    #: "auto": a server the check finds unreachable tries to serve through its initial peers as libp2p relays
+    #: (worker/relay.py) before giving up; "off": it exits at once
+    relay: str = "auto"
 
 
 def announce_list(cfg: WorkerConfig) -> list[str]:

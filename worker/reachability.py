@@ -5,7 +5,7 @@ ONLINE servers from the DHT, never itself — to dial it back (``worker.reachabi
 
 - ``Reachability.DIRECT``: some checker dialed it;
 - unreachable (``ReachabilityResult.unreachable``): at least one checker answered and none could dial it —
-  the server must not go ONLINE (``unreachable_message`` says what to do); a relay fallback would act here;
+  the server must not go ONLINE as is: it tries a relay (worker/relay.py), else exits (``unreachable_message``);
 - ``Reachability.UNKNOWN``: no checker answered (no initial peers, busy ones, or peers without the RPC).
 
 The whole check is bounded (``DHT_READ_TIMEOUT`` + ``ASK_TIMEOUT``, about 13 s at worst).
@@ -17,7 +17,7 @@ import asyncio
 import logging
 import random
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from hivemind.p2p import P2P, PeerID
 from hivemind.proto import runtime_pb2
@@ -56,6 +56,11 @@ class CheckerAnswer:
 class ReachabilityResult:
     maddrs: tuple[str, ...]
     answers: tuple[CheckerAnswer, ...]
+    #: what a successful dial means: DIRECT, or RELAYED when ``maddrs`` are circuit addresses
+    via: Reachability = Reachability.DIRECT
+
+    def with_direct_as(self, via: Reachability) -> ReachabilityResult:
+        return replace(self, via=via)
 
     @property
     def unreachable(self) -> bool:
@@ -70,7 +75,7 @@ class ReachabilityResult:
     def reachability(self) -> Reachability | None:
         """What to announce: DIRECT, UNKNOWN, or None (unreachable; the caller must not go ONLINE as is)."""
         if self.direct:
-            return Reachability.DIRECT
+            return self.via
         return None if self.unreachable else Reachability.UNKNOWN
 
     def describe(self) -> str:
@@ -112,14 +117,14 @@ def _online_servers(dht, dht_prefix: str, num_blocks: int) -> list[str]:
     return [peer for peer, span in spans.items() if span.state == ServerState.ONLINE]
 
 
-async def _ask(p2p: P2P, peer: str, maddrs: Sequence[str]) -> CheckerAnswer:
+async def _ask(p2p: P2P, peer: str, maddrs: Sequence[str], timeout: float = ASK_TIMEOUT) -> CheckerAnswer:
     request = runtime_pb2.ExpertInfo(serialized_info=protocol.pack_metadata({"maddrs": list(maddrs)}))
     try:
         stub = ReachabilityService.get_stub(p2p, PeerID.from_base58(peer))
-        response = await asyncio.wait_for(stub.rpc_check_reachability(request), ASK_TIMEOUT)
+        response = await asyncio.wait_for(stub.rpc_check_reachability(request), timeout)
         answer = protocol.unpack_metadata(response.serialized_info)
     except TimeoutError:
-        return CheckerAnswer(peer, None, f"no answer within {ASK_TIMEOUT:g} s")
+        return CheckerAnswer(peer, None, f"no answer within {timeout:.3g} s")
     except Exception as exc:  # an older peer without the RPC, a peer gone, garbage
         return CheckerAnswer(peer, None, f"no answer: {str(exc)[:200] or type(exc).__name__}")
     reachable, error = answer.get("reachable"), answer.get("error")
@@ -136,6 +141,7 @@ async def check_reachability(
     dht=None,
     dht_prefix: str | None = None,
     num_blocks: int = 0,
+    ask_timeout: float = ASK_TIMEOUT,
 ) -> ReachabilityResult:
     """Ask up to ``MAX_CHECKERS`` peers in parallel whether they can dial ``maddrs``; see the module docstring."""
     me = p2p.peer_id.to_base58()
@@ -149,18 +155,21 @@ async def check_reachability(
             logger.info("reachability check: could not read ONLINE servers from the DHT: %r", exc)
         candidates = checker_candidates(initial_peers, online, me)
     chosen = candidates[:MAX_CHECKERS]
-    answers = await asyncio.gather(*(_ask(p2p, peer, maddrs) for peer in chosen))
+    answers = await asyncio.gather(*(_ask(p2p, peer, maddrs, min(ask_timeout, ASK_TIMEOUT)) for peer in chosen))
     return ReachabilityResult(tuple(maddrs), tuple(answers))
 
 
-def unreachable_message(result: ReachabilityResult, port: int) -> str:
-    """What an unreachable server prints before it exits: what was tried, who tried, and the fixes."""
+def unreachable_message(result: ReachabilityResult, port: int, relay_failure: str | None = None) -> str:
+    """What an unreachable server prints before it exits: what was tried, who tried, and the fixes;
+    ``relay_failure``: why serving through a relay did not work either (None: it was not tried)."""
     port_text = str(port) if port else "P (a fixed --port)"
+    relay = f"Relay attempt failed: {relay_failure}\n" if relay_failure else "Relaying was off (--relay off).\n"
     return (
         "swarmserve worker: NOT REACHABLE - no peer of the swarm could connect to this server, so clients "
         "could not use it; not going ONLINE.\n"
         f"Addresses tried (what this server announces): {' '.join(result.maddrs) or '(none)'}\n"
         f"Peers that tried:\n{result.describe()}\n"
+        f"{relay}"
         "To fix it, make one of these addresses reachable:\n"
         f"  - forward TCP port {port_text} on your router to this machine and pass "
         f"--public-ip <your public IP> --port {port_text} (or --announce-maddrs /ip4/<public IP>/tcp/{port_text});\n"

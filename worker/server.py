@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import random
 import signal
@@ -31,6 +32,7 @@ from swarm_client.dht_records import (
 )
 from swarm_client.families import get_family
 from swarm_client.model_source import resolve_model_path
+from worker import relay
 from worker.announce import declare_span
 from worker.block_selection import choose_best_blocks
 from worker.cache import CacheManager
@@ -85,17 +87,8 @@ class BlockServer:
     async def run(self) -> None:
         cfg = self.cfg
         announce = announce_list(cfg)
-        with tempfile.TemporaryDirectory() as identity_dir:  # our peer id = hash of the record-signing key
-            self.dht = DHT(
-                initial_peers=cfg.initial_peers,
-                host_maddrs=[f"/ip4/{cfg.host}/tcp/{cfg.port}"],
-                announce_maddrs=announce or None,
-                start=True,
-                await_ready=True,
-                record_validators=record_validators(self.dht_prefix, self.total_blocks),
-                **write_identity(identity_dir),
-            )
-        mark_validated(self.dht)
+        self.dht = self._start_dht()
+        up_at = time.monotonic()
         # which addresses peers are told to dial: the first thing to check when nobody reaches a server
         visible = " ".join(str(m) for m in self.dht.get_visible_maddrs())
         print(f"swarmserve worker: listening on {cfg.host}:{cfg.port}, announcing {visible}", flush=True)
@@ -117,10 +110,12 @@ class BlockServer:
         await self.checker.add_p2p_handlers(p2p)
         if check:
             result = await check
-            if result.unreachable:  # a relay fallback would act here; for now: never ONLINE, say how to fix
-                await self._announce(ServerState.OFFLINE)  # replaces our JOINING records
-                raise SystemExit(unreachable_message(result, cfg.port))
             self.reachability = result.reachability
+            if result.unreachable:  # never ONLINE as is: through a relay, or exit saying how to fix it
+                await self._announce(ServerState.OFFLINE)  # replaces our JOINING records
+                failure = await self._serve_via_relay(up_at) if cfg.relay == "auto" else None
+                if self.reachability is None:
+                    raise SystemExit(unreachable_message(result, cfg.port, failure))
         self.state = ServerState.ONLINE
         await self._announce(ServerState.ONLINE)
         maddrs = [str(m) for m in self.dht.get_visible_maddrs()]
@@ -144,6 +139,50 @@ class BlockServer:
         for task in tasks:
             task.cancel()
         await self._drain()
+
+    def _start_dht(self, extra: dict | None = None) -> DHT:
+        with tempfile.TemporaryDirectory() as identity_dir:  # our peer id = hash of the record-signing key
+            dht = DHT(
+                initial_peers=self.cfg.initial_peers,
+                host_maddrs=[f"/ip4/{self.cfg.host}/tcp/{self.cfg.port}"],
+                announce_maddrs=announce_list(self.cfg) or None,
+                start=True,
+                await_ready=True,
+                record_validators=record_validators(self.dht_prefix, self.total_blocks),
+                **write_identity(identity_dir),
+                **(extra or {}),
+            )
+        mark_validated(dht)
+        return dht
+
+    async def _serve_via_relay(self, up_at: float) -> str | None:
+        """Restart our DHT node behind the public initial peers as relays (same identity, so the same peer id
+        and records) and have checkers dial us through a circuit (worker/relay.py), all by ``up_at +
+        relay.RELAY_BUDGET``. Sets ``reachability`` RELAYED and returns None if one did; else returns why not."""
+        relays = relay.public_relays(self.cfg.initial_peers)
+        if not relays:
+            return "no initial peer with a public address to relay through (circuits need a public relay)"
+        began = time.monotonic()
+        with contextlib.suppress(Exception):
+            await self._p2p.shutdown()  # the replica's client only; the DHT's shutdown ends the daemon
+        self.dht.shutdown()
+        self.dht = self._start_dht(relay.relay_dht_kwargs(relays))
+        self._p2p = p2p = await self.dht.replicate_p2p()
+        await self.switch.add_p2p_handlers(p2p)
+        await self.checker.add_p2p_handlers(p2p)
+        wait = min(relay.CIRCUIT_WAIT, up_at + relay.RELAY_BUDGET - relay.VERIFY_RESERVE - time.monotonic())
+        circuits = await relay.wait_for_circuit(self.dht, wait)
+        if not circuits:
+            return f"no relay reserved a circuit for us within {time.monotonic() - began:.1f} s (relays: {relays})"
+        kw = {"dht": self.dht, "dht_prefix": self.dht_prefix, "num_blocks": self.total_blocks}
+        timeout = max(relay.VERIFY_RESERVE, up_at + relay.RELAY_BUDGET - time.monotonic())
+        result = await relay.verify_circuits(p2p, circuits, self.cfg.initial_peers, timeout, **kw)
+        if result.reachability is not Reachability.RELAYED:
+            return f"no peer could dial us through {' '.join(circuits)}:\n{result.describe()}"
+        self.reachability = Reachability.RELAYED
+        took = time.monotonic() - began
+        print(f"swarmserve worker: reachable through relay {relay.relay_of(circuits[0])} ({took:.1f} s)", flush=True)
+        return None
 
     def request_stop(self) -> None:
         self._stop.set()

@@ -76,6 +76,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="go ONLINE without asking peers to dial this server back first (a private swarm on one LAN); "
         "by default a server nobody can reach exits with what to fix instead of going ONLINE",
     )
+    p.add_argument(
+        "--relay",
+        default="auto",
+        choices=["auto", "off"],
+        help="auto: if no peer can dial this server, serve through a public initial peer as a libp2p relay "
+        "(checked before going ONLINE); off: exit with what to fix instead",
+    )
     p.add_argument("--dht-prefix", default=None, help="DHT namespace (default: the model's basename)")
     p.add_argument("--update-period", type=float, default=5.0, help="seconds between DHT announcements")
     p.add_argument("--throughput", type=float, default=None, help="announce this tok/s instead of measuring")
@@ -146,6 +153,7 @@ def run(args: argparse.Namespace, rest: list[str]) -> int:
             fault=args.fault,
             metrics_port=args.metrics_port,
             reachability_check=not args.no_reachability_check,
+            relay=args.relay,
         )
     )
     return 0
