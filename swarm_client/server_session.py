@@ -93,7 +93,7 @@ class _ServerSession:
                             raise PeerTimeout(
                                 f"server {peer} went silent: no answer to its step for "
                                 f"{time.monotonic() - started:.1f}s, nor to {misses} pings in a row "
-                                f"({config.silent_ping_timeout:.1f}s each)",
+                                f"({config.silent_ping_timeout:g}s each)",
                                 peer,
                             ) from error
                         next_probe = time.monotonic()  # ping again at once

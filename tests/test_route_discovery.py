@@ -1,9 +1,10 @@
 """Route discovery beside an unreachable server, in network namespaces (tests/netlab.py; root only).
 
 The unreachable server is a worker on a public lab host that announces an address behind the lab's NAT router
-(a black hole: the router drops inbound SYNs, so dials hang) and skips the start-up reachability check, as a server behind NAT without a port forward
-used to. A new client must not wait on its ping (issue 19: 2.0 s instead of 0.1-0.4 s), and where it is the
-only server of a span, ``NoRouteError`` must name the blocks and the reason, within a bound.
+(a black hole: the router drops inbound SYNs, so dials hang) and skips the start-up reachability check, as a
+server behind NAT without a port forward used to. A new client must not wait on its ping (issue 19: 2.0 s
+instead of 0.1-0.4 s), and where it is the only server of a span, ``NoRouteError`` must name the blocks and
+the reason, within a bound.
 """
 
 from __future__ import annotations
@@ -35,9 +36,10 @@ import json, os, sys, time
 import torch
 from swarm_client import AutoDistributedModelForCausalLM, runtime
 model_path, peer, n, prompt = sys.argv[1], sys.argv[2], int(sys.argv[3]), torch.tensor([json.loads(sys.argv[4])])
+options = json.loads(sys.argv[5])
 result = {}
 try:
-    model = AutoDistributedModelForCausalLM.from_pretrained(model_path, initial_peers=[peer])
+    model = AutoDistributedModelForCausalLM.from_pretrained(model_path, initial_peers=[peer], **options)
     t0 = time.monotonic()
     route = runtime.run(model.manager.make_route(0, model.manager.config.num_blocks))
     result["route_s"] = round(time.monotonic() - t0, 3)
@@ -66,9 +68,11 @@ def reference(local_llama) -> list[int]:
     return local_llama.generate(prompt, max_new_tokens=NEW_TOKENS, do_sample=False)[0, len(PROMPT) :].tolist()
 
 
-def run_client(lab: NetLab, model: str, maddr: str, timeout: float) -> dict:
+def run_client(lab: NetLab, model: str, maddr: str, timeout: float, options: dict | None = None) -> dict:
+    """``CLIENT`` in the lab's client host, with ``options`` for ``ClientConfig``."""
     client_ns = next(ns for ns in lab.public if ns.endswith("-client"))
-    argv = lab.argv(client_ns, sys.executable, "-c", CLIENT, model, maddr, str(NEW_TOKENS), json.dumps(PROMPT))
+    args = (model, maddr, str(NEW_TOKENS), json.dumps(PROMPT), json.dumps(options or {}))
+    argv = lab.argv(client_ns, sys.executable, "-c", CLIENT, *args)
     with tempfile.TemporaryFile("w+") as out:  # a file: the client's p2p daemon outlives it and holds its output
         done = subprocess.run(argv, stdout=out, stderr=subprocess.STDOUT, text=True, timeout=timeout, env=ENV)
         out.seek(0)
