@@ -21,7 +21,7 @@ import os
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional  # noqa: UP035 - pydantic v1 schemas (hivemind) want typing generics
+from typing import Annotated, Any, Dict, List, Optional  # noqa: UP035 - pydantic v1 schemas (hivemind) want typing generics
 
 import pydantic.v1 as pv1
 from cryptography.exceptions import UnsupportedAlgorithm
@@ -46,6 +46,10 @@ class ServerState(enum.IntEnum):
     OFFLINE = 0
     JOINING = 1
     ONLINE = 2
+
+
+#: bounds of ``ServerInfo.addrs`` (a record past them is dropped, like any invalid one)
+MAX_ADDRS, MAX_ADDR_CHARS = 8, 256
 
 
 class Reachability(enum.StrEnum):
@@ -73,7 +77,8 @@ class ServerInfo(BaseModel):
     version: str = PROTOCOL_VERSION
     dtype: str = "float32"
     public_name: str | None = None
-    addrs: tuple[str, ...] = ()
+    #: the multiaddrs the server announces (without ``/p2p/``), for people reading errors and status pages
+    addrs: tuple[Annotated[str, Field(max_length=MAX_ADDR_CHARS)], ...] = Field(default=(), max_length=MAX_ADDRS)
     #: optional protocol features the server serves (e.g. ``protocol.STEP_BUNDLES``); older servers: none
     features: tuple[str, ...] = ()
     #: how peers reach the server, as its start-up check found (``Reachability``); None: not checked / older

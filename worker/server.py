@@ -42,7 +42,7 @@ from worker.handler import BlockHandler, HandlerLimits
 from worker.loading import load_blocks, resolve_dtype
 from worker.message_cap import DEFAULT_MAX_RECEIVING_BYTES, install_message_cap
 from worker.metrics import WorkerMetrics
-from worker.reachability import startup_check, unreachable_message
+from worker.reachability import own_maddrs, startup_check, unreachable_message
 from worker.reachability_service import ReachabilityService
 from worker.rebalance import (
     HandlerSwitch,
@@ -81,6 +81,7 @@ class BlockServer:
         self._p2p: P2P | None = None
         self.checker = ReachabilityService()  # we answer newcomers' reachability checks too
         self.reachability: Reachability | None = None
+        self.addrs: tuple[str, ...] = ()
         self.metrics = WorkerMetrics(lambda: self.switch.handlers if self.switch is not None else [])
 
     # ------------------------------------------------------------------ lifecycle
@@ -117,8 +118,9 @@ class BlockServer:
                 if self.reachability is None:
                     raise SystemExit(unreachable_message(result, cfg.port, failure))
         self.state = ServerState.ONLINE
-        await self._announce(ServerState.ONLINE)
         maddrs = [str(m) for m in self.dht.get_visible_maddrs()]
+        self.addrs = tuple(own_maddrs(maddrs))  # in our records: a client that cannot reach us names them
+        await self._announce(ServerState.ONLINE)
         print(
             f"swarmserve worker ready: serving blocks {self.start}:{self.end} of {self.total_blocks} "
             f"({self.dht_prefix}, {self.family.name} family, {self.dtype}, {self.device}) "
@@ -288,6 +290,7 @@ class BlockServer:
             public_name=self.cfg.public_name,
             features=(protocol.STEP_BUNDLES,),
             reachability=self.reachability,
+            addrs=self.addrs,
         )
 
     async def _announce(
