@@ -6,6 +6,14 @@ gateway's sessions ends (room may have opened) and every ``POLL_S`` seconds (oth
 the others wait behind it, so a request that just arrived cannot take the room freed for one that has been
 waiting. Past ``timeout_s`` a waiting request gets the ``SwarmBusyError`` (a 503 with ``Retry-After``).
 While anyone waits, new requests queue behind them instead of trying first.
+
+Reservations: servers grow a session's cache as it fills, so a request of ``n`` long choices opens fine
+and only runs out of room mid-generation — taking everyone else's sessions down with it. A request that
+states its ``Need`` (``NEED``, set by the request handler: ``n × (prompt + max_tokens)`` token slots and
+the swarm's whole cache) is let in only while the reservations of this gateway's running requests leave
+room for it, and holds its reservation until all its sessions are closed; one that does not fit waits in
+the same line (or, past ``timeout_s``, gets the 503). With nothing of ours running, a request is always
+tried: the swarm's own answer (room or ``SwarmBusyError``) decides, as before.
 """
 
 from __future__ import annotations
@@ -14,16 +22,32 @@ import asyncio
 import itertools
 from collections import deque
 from collections.abc import Awaitable, Callable
-from typing import TypeVar
+from contextvars import ContextVar
+from dataclasses import dataclass
+from typing import Any, TypeVar
 
 from swarm_client.errors import SwarmBusyError
 
-__all__ = ["CapacityQueue"]
+__all__ = ["NEED", "CapacityQueue", "Need"]
 
 T = TypeVar("T")
 
 #: how often the head of the line retries when nothing of ours ended
 POLL_S = 0.5
+
+
+@dataclass(frozen=True)
+class Need:
+    """What one request will hold at most: ``tokens`` KV-cache slots (the sum over its choices), against a
+    swarm of ``capacity()`` slots (None: unknown, nothing is reserved)."""
+
+    tokens: int
+    capacity: Callable[[], int | None]
+
+
+#: the request being admitted states its need here (a context variable: ``Engine.start`` calls ``admit``
+#: without it); None: no reservation
+NEED: ContextVar[Need | None] = ContextVar("swarmserve_admission_need", default=None)
 
 
 class CapacityQueue:
@@ -33,6 +57,26 @@ class CapacityQueue:
         self._tickets = itertools.count()
         self._changed: asyncio.Condition | None = None
         self._wakeups: set[asyncio.Task] = set()  # strong references until they ran
+        #: (the sessions a running request opened, the token slots it reserved)
+        self._held: list[tuple[list[Any], int]] = []
+
+    @property
+    def reserved_tokens(self) -> int:
+        """Token slots this gateway's running requests reserved (their sessions not all closed yet)."""
+        self._held = [(handles, tokens) for handles, tokens in self._held if not all(map(_closed, handles))]
+        return sum(tokens for _, tokens in self._held)
+
+    def _fits(self, need: Need | None) -> bool:
+        reserved = self.reserved_tokens
+        if need is None or reserved == 0:
+            return True
+        capacity = need.capacity()
+        return capacity is None or reserved + need.tokens <= capacity
+
+    def _hold(self, result: T, need: Need | None) -> T:
+        if need is not None and isinstance(result, list):
+            self._held.append((list(result), need.tokens))
+        return result
 
     @property
     def waiting(self) -> int:
@@ -45,16 +89,20 @@ class CapacityQueue:
         return self._changed
 
     async def admit(self, attempt: Callable[[], Awaitable[T]]) -> T:
-        """``attempt()``'s result; while it raises ``SwarmBusyError``, wait in line and try again."""
-        if not self._line:
+        """``attempt()``'s result (a list of sessions holds ``NEED``'s reservation until they are all closed);
+        while it raises ``SwarmBusyError`` or the reservations leave no room for ``NEED``, wait in line."""
+        need = NEED.get()
+        if not self._line and self._fits(need):
             try:
-                return await attempt()
+                return self._hold(await attempt(), need)
             except SwarmBusyError as e:
                 if self.timeout_s <= 0:
                     raise
                 error = e
         else:
-            error = SwarmBusyError("requests are already waiting for room in the swarm")
+            error = self._no_room(need)
+            if self.timeout_s <= 0:
+                raise error
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.timeout_s
         ticket = next(self._tickets)
@@ -62,11 +110,13 @@ class CapacityQueue:
         changed = self._condition()
         try:
             while True:
-                if self._line[0] == ticket:
+                if self._line[0] == ticket and self._fits(need):
                     try:
-                        return await attempt()
+                        return self._hold(await attempt(), need)
                     except SwarmBusyError as e:
                         error = e
+                elif self._line[0] == ticket:
+                    error = self._no_room(need)
                 remaining = deadline - loop.time()
                 if remaining <= 0:
                     raise error
@@ -79,6 +129,14 @@ class CapacityQueue:
             self._line.remove(ticket)
             await self._notify()
 
+    def _no_room(self, need: Need | None) -> SwarmBusyError:
+        if need is None or self._fits(need):
+            return SwarmBusyError("requests are already waiting for room in the swarm")
+        return SwarmBusyError(
+            f"this request needs {need.tokens} KV-cache token slots; requests running now reserve "
+            f"{self.reserved_tokens} of the swarm's {need.capacity()}"
+        )
+
     async def _notify(self) -> None:
         changed = self._condition()
         async with changed:
@@ -90,3 +148,8 @@ class CapacityQueue:
             task = asyncio.get_running_loop().create_task(self._notify())
             self._wakeups.add(task)
             task.add_done_callback(self._wakeups.discard)
+
+
+def _closed(handle: Any) -> bool:
+    """Whether a session handle (``gateway/session_handle.py``) is closed: its reservation ends then."""
+    return bool(getattr(handle, "_closed", True))

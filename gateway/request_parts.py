@@ -1,6 +1,6 @@
 """The request parts both OpenAI endpoints (and the Responses API) share: choice counts, stop lists,
-sampling parameters, the session key that names a conversation, usage, and cancelling work when the client
-leaves.
+sampling parameters, admission against the swarm's KV cache, the session key that names a conversation,
+usage, and cancelling work when the client leaves.
 
 Session affinity: the ``X-Session-Id`` header, else the ``user`` field, names the conversation whose cached
 session the request resumes (without either, the engine matches the prompt's prefix).
@@ -10,26 +10,29 @@ from __future__ import annotations
 
 import json
 import urllib.parse
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Sequence
 from typing import Any, Protocol, TypeVar
 
 import anyio
 from fastapi import Request
 from pydantic import BaseModel
 
-from gateway.choices import ChoiceResult, Delta
+from gateway.capacity_queue import Need
+from gateway.choices import ChoiceResult, ChoiceSpec, Delta
 from gateway.engine import Engine
 from gateway.errors import InvalidRequestError
 from gateway.openai_schema import CompletionUsage, PromptTokensDetails
 from gateway.responses_store import owner_of
 from gateway.sampling import SamplingParams
 from gateway.streaming import ChunkBuilder
+from gateway.swarm_view import backend_room
 
 __all__ = [
     "CLIENT_CLOSED",
     "IGNORED_FIELDS_HEADER",
     "SESSION_HEADER",
     "CachedTokensUsage",
+    "admission_need",
     "cancel_on_disconnect",
     "check_stream_options",
     "cache_owner",
@@ -59,6 +62,50 @@ def count_choices(engine: Engine, n: int | None, prompts: int) -> int:
     if n * prompts > limit:
         raise InvalidRequestError(f"n: at most {limit} choices per request (asked for {n * prompts}).", param="n")
     return n
+
+
+#: the code of the 400 for a request the swarm's KV cache could never hold
+CACHE_CAPACITY_EXCEEDED = "cache_capacity_exceeded"
+
+
+def admission_need(engine: Engine, specs: Sequence[ChoiceSpec]) -> Need | None:
+    """What ``specs`` will hold of the swarm's KV cache (each choice is one session of prompt + max_tokens
+    token slots), for the gateway's reservations (``gateway/capacity_queue.py``); None without a swarm.
+    A request the swarm could never hold is a 400 naming the limit and what would fit: a choice longer than
+    the largest cache any one server of some block has (``max_tokens``), or ``n`` choices over all the
+    cache the servers of the most constrained block announce together (``n``)."""
+    room = backend_room(engine.backend)
+    if room is None or not specs:
+        return None
+    sizes = [len(s.prompt_ids) + s.max_tokens for s in specs]
+    longest = max(sizes)
+    if longest > room.largest:
+        spec = specs[sizes.index(longest)]
+        prompt, fits = len(spec.prompt_ids), room.largest - len(spec.prompt_ids)
+        hint = f"at most max_tokens={fits} fits this prompt" if fits > 0 else "the prompt alone does not fit"
+        raise InvalidRequestError(
+            f"max_tokens: {prompt} prompt tokens + max_tokens {spec.max_tokens} = {longest} tokens per choice "
+            f"exceed the largest KV cache any server of the swarm holds ({room.largest} tokens); {hint}.",
+            param="max_tokens",
+            code=CACHE_CAPACITY_EXCEEDED,
+        )
+    total = sum(sizes)
+    if total > room.total:
+        n, per = len(specs), room.total // len(specs) - max(len(s.prompt_ids) for s in specs)
+        other = f", or max_tokens={per} with n={n}" if per > 0 else ""
+        raise InvalidRequestError(
+            f"n: {n} choices × (prompt + max_tokens) = {total} tokens exceed the swarm's whole KV cache "
+            f"({room.total} tokens, all servers of its most constrained block together); at most "
+            f"n={room.total // longest} fits at this max_tokens{other}.",
+            param="n",
+            code=CACHE_CAPACITY_EXCEEDED,
+        )
+
+    def capacity() -> int | None:
+        now = backend_room(engine.backend)
+        return None if now is None else now.total
+
+    return Need(total, capacity)
 
 
 def check_stream_options(stream: bool | None, stream_options: object) -> None:

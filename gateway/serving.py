@@ -16,6 +16,7 @@ from typing import Any, cast
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
+from gateway.capacity_queue import NEED
 from gateway.chat_messages import chat_messages
 from gateway.choices import ChoiceResult, ChoiceSpec
 from gateway.engine import Engine
@@ -35,6 +36,7 @@ from gateway.openai_schema import (
 from gateway.request_parts import (
     CLIENT_CLOSED,
     CachedTokensUsage,
+    admission_need,
     cache_owner,
     cancel_on_disconnect,
     check_stream_options,
@@ -89,6 +91,7 @@ async def create_chat_completion(engine: Engine, req: ChatCompletionRequest, req
     ]
     model = engine.model_id
     completion_id = f"chatcmpl-{uuid.uuid4().hex}"
+    NEED.set(admission_need(engine, specs))  # a 400 if the swarm could never hold it; else reserved
     generation = await engine.start(specs, session_key(request, req.user), cache_owner(request))
     route = RouteInfo.of(generation, engine.backend)  # x-swarm-route etc. (gateway/route_info.py)
 
@@ -168,6 +171,7 @@ async def create_completion(engine: Engine, req: CompletionRequest, request: Req
     prompt_tokens = sum(len(ids) for ids, _ in prompts)
     model = engine.model_id
     completion_id = f"cmpl-{uuid.uuid4().hex}"
+    NEED.set(admission_need(engine, specs))  # a 400 if the swarm could never hold it; else reserved
     generation = await engine.start(specs, session_key(request, req.user), cache_owner(request))
     route = RouteInfo.of(generation, engine.backend)  # x-swarm-route etc. (gateway/route_info.py)
 

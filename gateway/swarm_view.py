@@ -8,16 +8,26 @@ can say how old its view may be (``swarm_state(max_age_s=...)``: the swarm backe
 its own view is shared with routing). A backend without that parameter (in-process,
 tests' fakes) is read afresh for each probe that finds no read in flight. Failures are remembered like
 answers: a DHT that cannot be read is not asked again by every probe of the same interval.
+
+With a swarm backend the view also carries ``"cache"`` (``CacheRoom.as_dict``): per the most constrained
+block, the KV cache the ONLINE servers announce in all, free now, and on the largest single server, and
+the blocks where no server has room for a new session (``/health`` says "degraded" while there are any;
+the gateway's admission, ``gateway/request_parts.py``, reads the same numbers).
 """
 
 from __future__ import annotations
 
 import asyncio
 import inspect
+from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["STATE_MAX_AGE_S", "THREAD_NAME_PREFIX", "SwarmView", "reachability_label"]
+from swarm_client.dht_records import ServerState
+
+__all__ = ["STATE_MAX_AGE_S", "THREAD_NAME_PREFIX", "CacheRoom", "SwarmView", "backend_room", "cache_room",
+           "reachability_label"]  # fmt: skip
 
 #: how old a swarm view ``/health`` and ``/v1/swarm`` may answer from (probes and pages poll them: one DHT
 #: read per interval serves them all)
@@ -33,6 +43,66 @@ def reachability_label(announced: object, banned: bool = False) -> str:
     if banned:
         return "unreachable from here"
     return str(getattr(announced, "value", announced)) if announced else "not checked"
+
+
+#: a new session needs at least this many free token slots on a server (``worker/cache.py``'s first chunk)
+NEW_SESSION_TOKENS = 64
+
+
+@dataclass(frozen=True)
+class CacheRoom:
+    """The swarm's KV cache, in token slots, for its most constrained block (a request needs every block).
+
+    ``total``: what the block's ONLINE servers announce in all (``cache_tokens_total``; a server that does
+    not announce it counts with what it has free); ``largest``: the largest one server of that block holds
+    (one choice is one session: it must fit a single server); ``free``: free now, in all; ``full_blocks``:
+    blocks whose every server is out of room for a new session (cache or session slots)."""
+
+    total: int
+    largest: int
+    free: int
+    full_blocks: tuple[int, ...]
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "tokens_total": self.total,
+            "largest_server_tokens": self.largest,
+            "tokens_free": self.free,
+            "full_blocks": list(self.full_blocks),
+        }
+
+
+def cache_room(spans: Mapping[str, Any], num_blocks: int) -> CacheRoom | None:
+    """``CacheRoom`` of ``spans`` (``RemoteSpanInfo`` by peer id); None when some block has no ONLINE server
+    (that is ``missing_blocks``' business) or there are no blocks."""
+    totals, largest, free, full = [], [], [], []
+    for block in range(num_blocks):
+        infos = [
+            s.server_info
+            for s in spans.values()
+            if s.start <= block < s.end and ServerState(s.server_info.state) == ServerState.ONLINE
+        ]
+        if not infos:
+            return None
+        sizes = [i.cache_tokens_total if i.cache_tokens_total is not None else i.cache_tokens_left for i in infos]
+        totals.append(sum(sizes))
+        largest.append(max(sizes))
+        free.append(sum(i.cache_tokens_left for i in infos))
+        if not any(i.cache_tokens_left >= NEW_SESSION_TOKENS and i.sessions_left != 0 for i in infos):
+            full.append(block)
+    if not totals:
+        return None
+    return CacheRoom(min(totals), min(largest), min(free), tuple(full))
+
+
+def backend_room(backend: Any) -> CacheRoom | None:
+    """The room of the swarm ``backend``'s client knows now (its routing view: no DHT read); None for a
+    backend without a swarm (in-process) or before its first read."""
+    manager, num_blocks = getattr(backend, "manager", None), getattr(backend, "num_blocks", None)
+    spans = getattr(manager, "spans", None)
+    if not isinstance(num_blocks, int) or not isinstance(spans, Mapping) or not spans:
+        return None
+    return cache_room(dict(spans), num_blocks)
 
 
 class SwarmView:
@@ -71,8 +141,13 @@ class SwarmView:
     def _read(self) -> dict[str, Any]:
         self.reads += 1
         if self.max_age_s > 0:
-            return self.backend.swarm_state(max_age_s=self.max_age_s / 2)
-        return self.backend.swarm_state()
+            state = self.backend.swarm_state(max_age_s=self.max_age_s / 2)
+        else:
+            state = self.backend.swarm_state()
+        room = backend_room(self.backend)  # the spans that read just refreshed
+        if room is not None and isinstance(state, dict):
+            state = {**state, "cache": room.as_dict()}
+        return state
 
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)

@@ -1,6 +1,11 @@
 """``/health`` (200 when every block of the model is served, else 503 naming the missing ones) and
 ``/v1/swarm`` (the backend's ``swarm_state()`` as is; 503 when the DHT cannot be read).
 
+``/health``'s ``status``: "ok"; "degraded" (still 200: requests are taken, and wait in the gateway's line
+for room) when every block is served but no server of some block has room for a new session right now —
+``full_blocks`` names them and ``cache`` gives the swarm's KV-cache figures (``gateway/swarm_view.py``);
+"unavailable" (503 + Retry-After) when blocks are missing or the DHT cannot be read.
+
 ``swarm_state()`` is read for ``missing_blocks`` (list of block indices nobody serves) and, when that key is
 absent, derived from ``num_blocks`` and ``blocks``/``spans`` if present; a backend that says nothing of
 blocks (an in-process model) is healthy.
@@ -56,13 +61,18 @@ async def health(view: ViewDep, backend: BackendDep, settings: SettingsDep) -> J
             headers=retry,
         )
     missing = missing_blocks(state)
+    cache = state.get("cache") if isinstance(state.get("cache"), dict) else None
+    full = list(cache.get("full_blocks", [])) if cache else []
     body = {
-        "status": "ok" if not missing else "unavailable",
+        "status": "unavailable" if missing else "degraded" if full else "ok",
         "model": backend.model_id,
         "missing_blocks": missing,
     }
     if "num_blocks" in state:
         body["num_blocks"] = state["num_blocks"]
+    if cache is not None:
+        body["full_blocks"] = full
+        body["cache"] = cache
     if missing:
         return JSONResponse(body, status_code=503, headers=retry)
     return JSONResponse(body)
