@@ -15,15 +15,16 @@ from typing import Any
 import httpx
 import openai
 import pytest
+import torch
 
 from gateway.swarm_view import CacheRoom, cache_room
 from swarm_client.dht_records import RemoteSpanInfo, ServerInfo, ServerState
-from tests.gateway_fixtures import Gateway, assert_greedy, chat_prompt_ids, swarm_gateway, tiny_tokenizer
+from tests.gateway_fixtures import Gateway, chat_prompt_ids, swarm_gateway, tiny_tokenizer
 from tests.swarm_fixtures import swarm
 
 CACHE_TOKENS = 1024
 #: long enough that the big request is still running when the small one arrives
-BIG_TOKENS = 200
+BIG_TOKENS = 220
 
 
 def _info(left: int, total: int | None, sessions: int | None = 8, start: int = 0, end: int = 4) -> RemoteSpanInfo:
@@ -78,6 +79,18 @@ def _poll_health(gw: Gateway, status: str, within_s: float) -> tuple[dict[str, A
     return body, time.monotonic() - t0
 
 
+def _greedy_no_eos(model: Any, prompt_ids: list[int], max_tokens: int, banned: list[int]) -> list[int]:
+    """Argmax decoding with the local model, ``banned`` tokens (EOS) never chosen: a run of exactly
+    ``max_tokens`` tokens, whose session grows to its full size."""
+    ids = list(prompt_ids)
+    with torch.no_grad():
+        for _ in range(max_tokens):
+            logits = model(torch.tensor([ids])).logits[0, -1].float()
+            logits[banned] = -float("inf")
+            ids.append(int(logits.argmax()))
+    return ids[len(prompt_ids) :]
+
+
 @pytest.mark.slow
 def test_request_the_swarm_could_never_hold_is_a_400_naming_the_limit(gateway: Gateway) -> None:
     client = gateway.client(max_retries=0)
@@ -96,14 +109,16 @@ def test_request_the_swarm_could_never_hold_is_a_400_naming_the_limit(gateway: G
 
 
 @pytest.mark.slow
-def test_a_big_request_that_fits_does_not_starve_a_small_one(gateway: Gateway, tiny_llama: str) -> None:
+def test_a_big_request_that_fits_does_not_starve_a_small_one(
+    gateway: Gateway, tiny_llama: str, local_llama: Any
+) -> None:
     client = gateway.client(max_retries=0, timeout=120)
     bias = _no_eos()
     big: dict[str, Any] = {}
 
     def run_big() -> None:
         t0 = time.monotonic()
-        try:  # 4 × (prompt + 200) ≈ 850 of the worker's 1024 token slots
+        try:  # 4 × (prompt + 220) ≈ 940 of the worker's 1024 token slots
             big["reply"] = client.chat.completions.create(
                 model=gateway.model,
                 messages=[{"role": "user", "content": "Tell me everything."}],
@@ -121,13 +136,17 @@ def test_a_big_request_that_fits_does_not_starve_a_small_one(gateway: Gateway, t
     time.sleep(0.5)
     small_messages = [{"role": "user", "content": "small"}]
     t0 = time.monotonic()
-    small = client.chat.completions.create(model=gateway.model, messages=small_messages, max_tokens=300, temperature=0)
+    small = client.chat.completions.create(
+        model=gateway.model, messages=small_messages, max_tokens=300, temperature=0, logit_bias=bias
+    )
     small_took = time.monotonic() - t0
     thread.join(180)
     print(f"big n=4 x {BIG_TOKENS}: {big.get('took', 0):.2f} s; small (waited its turn): {small_took:.2f} s")
     assert "error" not in big, big.get("error")
     assert [c.finish_reason for c in big["reply"].choices] == ["length"] * 4
-    assert_greedy(small, chat_prompt_ids(small_messages, tiny_llama), 300, tiny_llama)
+    expected = _greedy_no_eos(local_llama, chat_prompt_ids(small_messages, tiny_llama), 300, [int(t) for t in bias])
+    assert small.choices[0].message.content == tiny_tokenizer().decode(expected, skip_special_tokens=True)
+    assert small.usage.completion_tokens == 300  # 940 + 311 > 1024: it could only run after the big one
     assert not gateway.backend.manager.bans.banned()
 
 
