@@ -21,10 +21,9 @@ import torch
 
 from swarm_client import AutoDistributedModelForCausalLM
 from swarm_client.tiny_model import make_tiny_model
-from swarmserve.launcher import DHT_READY, WORKER_READY, WorkerProcess
 from tests.netlab import NetLab, unavailable
 from tests.swarm_fixtures import Swarm
-from tests.test_route_discovery import BLACK_HOLE, ENV, PORT, READY_TIMEOUT, run_client
+from tests.test_route_discovery import run_client, unreachable_replica_swarm
 
 #: the old behaviour: route discovery waits for every new peer's ping (up to ping_timeout)
 OLD = {"ping_grace": 3.0, "ping_grace_factor": 1e9}
@@ -33,34 +32,10 @@ OLD = {"ping_grace": 3.0, "ping_grace_factor": 1e9}
 def discovery(model: str, reps: int) -> dict:
     """(a): ``reps`` new clients per setting beside an unreachable replica of blocks 2:4."""
     out: dict = {"new": [], "old": []}
-    with NetLab() as lab:
-        procs = []
-        try:
-            dht_ns = lab.host("dht", "10.231.0.2")
-            lab.nat("rtr", "10.231.0.100")
-            lab.host("client", "10.231.0.4")
-            dht = lab.spawn(dht_ns, "dht", ["dht", "--host", "10.231.0.2", "--port", "31337", "--model", model], ENV)
-            procs.append(dht)
-            maddr = dht.wait_for(DHT_READY, timeout=60).split(DHT_READY, 1)[1].strip()
-            common = ["worker", "--model", model, "--initial-peers", maddr, "--torch-threads", "1", "--port", str(PORT)]
-            common += ["--update-period", "1", "--throughput", "100"]
-            for name, address, blocks, extra in (
-                ("a", "10.231.0.3", "0:2", []),
-                ("b", "10.231.0.5", "2:4", []),
-                ("u", "10.231.0.6", "2:4", ["--announce-maddrs", f"/ip4/{BLACK_HOLE}/tcp/{PORT}",
-                                            "--no-reachability-check"]),
-            ):  # fmt: skip
-                ns = lab.host(name, address)
-                procs.append(lab.spawn(ns, name, [*common, "--blocks", blocks, "--host", address, *extra], ENV,
-                                       cls=WorkerProcess))  # fmt: skip
-            for proc in procs[1:]:
-                proc.wait_for(WORKER_READY, timeout=READY_TIMEOUT)
-            for _ in range(reps):
-                for key, options in (("new", {}), ("old", OLD)):
-                    out[key].append(run_client(lab, model, maddr, timeout=120, options=options))
-        finally:
-            for proc in reversed(procs):
-                proc.stop(timeout=10)
+    with NetLab() as lab, unreachable_replica_swarm(lab, model) as (maddr, _workers):
+        for _ in range(reps):
+            for key, options in (("new", {}), ("old", OLD)):
+                out[key].append(run_client(lab, model, maddr, timeout=120, options=options))
     return out
 
 

@@ -56,12 +56,13 @@ def ping_failure_reason(error: PeerError, timeout: float, addrs: Collection[str]
 
 
 class Pinger:
-    """Pings in flight, one per peer. ``ping(peer)`` is the coroutine that measures one peer (it records the
-    RTT or bans the peer itself); ``rtt`` is the table the manager keeps its measured RTTs in."""
+    """Pings in flight, one per peer. ``ping(peer, span)`` is the coroutine that measures one peer of the swarm
+    view being read (it records the RTT or bans the peer itself); ``rtt`` is the table the manager keeps its
+    measured RTTs in."""
 
     def __init__(
         self,
-        ping: Callable[[str], Coroutine[Any, Any, None]],
+        ping: Callable[[str, RemoteSpanInfo], Coroutine[Any, Any, None]],
         rtt: Mapping[str, float],
         ping_timeout: float,
         ping_grace: float,
@@ -83,7 +84,7 @@ class Pinger:
         for peer, span in spans.items():
             if span.state != ServerState.ONLINE or peer in self.rtt or peer in banned or peer in self.tasks:
                 continue
-            task = asyncio.get_running_loop().create_task(self._ping(peer), name=f"ping {peer}")
+            task = asyncio.get_running_loop().create_task(self._ping(peer, span), name=f"ping {peer}")
             self.tasks[peer] = task
             task.add_done_callback(lambda _, p=peer: self.tasks.pop(p, None))
         return self.pending()

@@ -282,15 +282,14 @@ class SequenceManager:
             self._last_update = time.monotonic()
             return spans
 
-    async def _ping(self, peer_id: str) -> None:
-        """Measure ``peer_id``'s RTT, or ban it with the reason (``pings.ping_failure_reason``)."""
+    async def _ping(self, peer_id: str, span: RemoteSpanInfo) -> None:
+        """Measure ``peer_id``'s RTT, or ban it with the reason (``pings.ping_failure_reason``), naming the
+        addresses ``span`` (its record in the swarm view being read) announces."""
         t0 = time.perf_counter()
         try:
             await self.info(peer_id, timeout=self.config.ping_timeout)
         except PeerError as e:
-            span = self.spans.get(peer_id)
-            addrs = span.server_info.addrs if span is not None else ()
-            self.ban(peer_id, ping_failure_reason(e, self.config.ping_timeout, addrs))
+            self.ban(peer_id, ping_failure_reason(e, self.config.ping_timeout, span.server_info.addrs))
             return
         self.rtt.setdefault(peer_id, time.perf_counter() - t0)  # a figure set meanwhile (tests) stands
 

@@ -106,9 +106,10 @@ def nat_swarm(
                 proc.stop(timeout=10)
 
 
-def run_client(lab: NetLab, model: str, maddr: str, timeout: float) -> dict:
+def run_in_client_host(lab: NetLab, script: str, args: list[str], timeout: float) -> dict:
+    """Run ``python -c script *args`` on the lab's client host; its last ``RESULT <json>`` line, parsed."""
     client_ns = next(ns for ns in lab.public if ns.endswith("-client"))
-    argv = lab.argv(client_ns, sys.executable, "-c", CLIENT, model, maddr, str(NEW_TOKENS), json.dumps(PROMPT))
+    argv = lab.argv(client_ns, sys.executable, "-c", script, *args)
     # output to a file, not a pipe: the client's p2p daemon inherits it and outlives the client (until the lab
     # goes), so a pipe would not reach EOF when the client exits
     with tempfile.TemporaryFile("w+") as out:
@@ -118,6 +119,10 @@ def run_client(lab: NetLab, model: str, maddr: str, timeout: float) -> dict:
     lines = [line for line in text.splitlines() if line.startswith("RESULT ")]
     assert lines, f"the client printed no result (exit {done.returncode}):\n{text[-5000:]}"
     return json.loads(lines[-1].removeprefix("RESULT "))
+
+
+def run_client(lab: NetLab, model: str, maddr: str, timeout: float) -> dict:
+    return run_in_client_host(lab, CLIENT, [model, maddr, str(NEW_TOKENS), json.dumps(PROMPT)], timeout)
 
 
 def swarm_status(lab: NetLab, model: str, maddr: str) -> dict:

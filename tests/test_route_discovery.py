@@ -10,9 +10,8 @@ the reason, within a bound.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
-import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import pytest
 import torch
@@ -20,6 +19,7 @@ import torch
 from swarmserve.launcher import DHT_READY, WORKER_READY, WorkerProcess, child_env
 from tests.conftest import require_or_skip
 from tests.netlab import NetLab, unavailable
+from tests.test_nat import run_in_client_host
 
 pytestmark = pytest.mark.slow
 
@@ -70,61 +70,58 @@ def reference(local_llama) -> list[int]:
 
 def run_client(lab: NetLab, model: str, maddr: str, timeout: float, options: dict | None = None) -> dict:
     """``CLIENT`` in the lab's client host, with ``options`` for ``ClientConfig``."""
-    client_ns = next(ns for ns in lab.public if ns.endswith("-client"))
-    args = (model, maddr, str(NEW_TOKENS), json.dumps(PROMPT), json.dumps(options or {}))
-    argv = lab.argv(client_ns, sys.executable, "-c", CLIENT, *args)
-    with tempfile.TemporaryFile("w+") as out:  # a file: the client's p2p daemon outlives it and holds its output
-        done = subprocess.run(argv, stdout=out, stderr=subprocess.STDOUT, text=True, timeout=timeout, env=ENV)
-        out.seek(0)
-        text = out.read()
-    lines = [line for line in text.splitlines() if line.startswith("RESULT ")]
-    assert lines, f"the client printed no result (exit {done.returncode}):\n{text[-5000:]}"
-    return json.loads(lines[-1].removeprefix("RESULT "))
+    args = [model, maddr, str(NEW_TOKENS), json.dumps(PROMPT), json.dumps(options or {})]
+    return run_in_client_host(lab, CLIENT, args, timeout)
+
+
+@contextmanager
+def unreachable_replica_swarm(lab: NetLab, model: str) -> Iterator[tuple[str, dict[str, WorkerProcess]]]:
+    """In ``lab``: the DHT, worker A of blocks 0:2, and B and U (unreachable) of blocks 2:4, all ONLINE; yields
+    (the DHT's multiaddr, workers by name). Everything is stopped on exit."""
+    procs: list[WorkerProcess] = []
+    try:
+        dht_ns = lab.host("dht", "10.231.0.2")
+        lab.nat("rtr", "10.231.0.100")  # routes 10.232.0.0/24 from every public host into its DROP
+        lab.host("client", "10.231.0.4")
+        dht = lab.spawn(dht_ns, "dht", ["dht", "--host", "10.231.0.2", "--port", "31337", "--model", model], ENV)
+        procs.append(dht)
+        maddr = dht.wait_for(DHT_READY, timeout=60).split(DHT_READY, 1)[1].strip()
+        common = ["worker", "--model", model, "--initial-peers", maddr, "--torch-threads", "1"]
+        common += ["--update-period", "1", "--throughput", "100", "--port", str(PORT)]
+        workers = {}
+        for name, address, blocks, extra in (
+            ("a", "10.231.0.3", "0:2", []),
+            ("b", "10.231.0.5", "2:4", []),
+            ("u", "10.231.0.6", "2:4", ["--announce-maddrs", f"/ip4/{BLACK_HOLE}/tcp/{PORT}",
+                                        "--no-reachability-check"]),
+        ):  # fmt: skip
+            ns = lab.host(name, address)
+            args = [*common, "--blocks", blocks, "--host", address, *extra]
+            workers[name] = lab.spawn(ns, name, args, ENV, cls=WorkerProcess)
+            procs.append(workers[name])
+        for worker in workers.values():
+            worker.wait_for(WORKER_READY, timeout=READY_TIMEOUT)
+        yield maddr, workers
+    finally:
+        for proc in reversed(procs):
+            proc.stop(timeout=10)
 
 
 def test_new_client_beside_an_unreachable_replica(tiny_llama, reference):
     """Blocks 0:2 on A; 2:4 on B and on U (unreachable). A new client routes over A and B at once; with B
     gone, U is the only server of 2:4 and the client's NoRouteError names blocks 2..3 and why."""
-    procs: list[WorkerProcess] = []
-    with NetLab() as lab:
-        try:
-            dht_ns = lab.host("dht", "10.231.0.2")
-            lab.nat("rtr", "10.231.0.100")  # routes 10.232.0.0/24 from every public host into its DROP
-            lab.host("client", "10.231.0.4")
-            dht = lab.spawn(dht_ns, "dht", ["dht", "--host", "10.231.0.2", "--port", "31337", "--model", tiny_llama],
-                            ENV)  # fmt: skip
-            procs.append(dht)
-            maddr = dht.wait_for(DHT_READY, timeout=60).split(DHT_READY, 1)[1].strip()
-            common = ["worker", "--model", tiny_llama, "--initial-peers", maddr, "--torch-threads", "1"]
-            common += ["--update-period", "1", "--throughput", "100", "--port", str(PORT)]
-            workers = {}
-            for name, address, blocks, extra in (
-                ("a", "10.231.0.3", "0:2", []),
-                ("b", "10.231.0.5", "2:4", []),
-                ("u", "10.231.0.6", "2:4", ["--announce-maddrs", f"/ip4/{BLACK_HOLE}/tcp/{PORT}",
-                                            "--no-reachability-check"]),
-            ):  # fmt: skip
-                ns = lab.host(name, address)
-                args = [*common, "--blocks", blocks, "--host", address, *extra]
-                workers[name] = lab.spawn(ns, name, args, ENV, cls=WorkerProcess)
-                procs.append(workers[name])
-            for worker in workers.values():
-                worker.wait_for(WORKER_READY, timeout=READY_TIMEOUT)
+    with NetLab() as lab, unreachable_replica_swarm(lab, tiny_llama) as (maddr, workers):
+        result = run_client(lab, tiny_llama, maddr, timeout=120)
+        print(f"new client beside an unreachable replica: {result}")
+        assert result.get("tokens") == reference, result
+        assert workers["u"].peer_id not in result["route"], result
+        assert result["route_s"] < 1.5, result  # issue 19: 2.0 s; expected 0.1-0.4 s
 
-            result = run_client(lab, tiny_llama, maddr, timeout=120)
-            print(f"new client beside an unreachable replica: {result}")
-            assert result.get("tokens") == reference, result
-            assert workers["u"].peer_id not in result["route"], result
-            assert result["route_s"] < 1.5, result  # issue 19: 2.0 s; expected 0.1-0.4 s
-
-            workers["b"].stop(timeout=15)  # graceful: B announces OFFLINE
-            result = run_client(lab, tiny_llama, maddr, timeout=120)
-            print(f"new client, the unreachable server the only one of blocks 2:4: {result}")
-            error = result.get("error", "")
-            assert error.startswith("NoRouteError") and "blocks 2..3 have no usable server" in error, result
-            assert f"peer {workers['u'].peer_id} is banned: did not answer a ping" in error, result
-            assert "--public-ip" in error, result
-            assert result["error_s"] < 40, result  # was ~65 s; expected ≈ route_wait (10 s) + a ping (3 s)
-        finally:
-            for proc in reversed(procs):
-                proc.stop(timeout=10)
+        workers["b"].stop(timeout=15)  # graceful: B announces OFFLINE
+        result = run_client(lab, tiny_llama, maddr, timeout=120)
+        print(f"new client, the unreachable server the only one of blocks 2:4: {result}")
+        error = result.get("error", "")
+        assert error.startswith("NoRouteError") and "blocks 2..3 have no usable server" in error, result
+        assert f"peer {workers['u'].peer_id} is banned: did not answer a ping" in error, result
+        assert "--public-ip" in error and f"announces /ip4/{BLACK_HOLE}/tcp/{PORT}" in error, result
+        assert result["error_s"] < 40, result  # was ~65 s; expected ≈ route_wait (10 s) + a ping (3 s)

@@ -505,7 +505,7 @@ def test_settle_stops_waiting_on_a_silent_peer_once_others_cover_the_blocks():
     rtt: dict[str, float] = {}
     bans: set[str] = set()
 
-    async def ping(peer: str) -> None:
+    async def ping(peer: str, _span: object) -> None:
         if peer == "silent":
             await asyncio.sleep(2.0)
             bans.add(peer)
