@@ -30,11 +30,19 @@ from pydantic import BaseModel
 from sse_starlette import EventSourceResponse
 from starlette.background import BackgroundTask
 
+from gateway.capacity_queue import NEED
 from gateway.choices import ChoiceResult, ChoiceSpec
 from gateway.engine import Engine
 from gateway.errors import ContextLengthExceededError, GatewayError, InvalidRequestError, to_gateway_error
 from gateway.generation import Generation
-from gateway.request_parts import CLIENT_CLOSED, cache_owner, cancel_on_disconnect, sampling_params, session_key
+from gateway.request_parts import (
+    CLIENT_CLOSED,
+    admission_need,
+    cache_owner,
+    cancel_on_disconnect,
+    sampling_params,
+    session_key,
+)
 from gateway.responses_schema import (
     IncompleteDetails,
     InputTokensDetails,
@@ -189,6 +197,11 @@ async def create_response(
         message = exc.message.replace("response_format", "text.format")
         raise InvalidRequestError(message, param="text.format", code=exc.code) from None
     spec = ChoiceSpec(0, turn.prompt, turn.max_tokens, turn.sampling(grammar))
+    try:  # a 400 if the swarm could never hold it; else its cache is reserved while it runs
+        NEED.set(admission_need(engine, [spec]))
+    except InvalidRequestError as exc:  # it speaks of chat's max_tokens; here it is max_output_tokens
+        message = exc.message.replace("max_tokens", "max_output_tokens")
+        raise InvalidRequestError(message, param="max_output_tokens", code=exc.code) from None
     generation = await engine.start([spec], turn.session_key, cache_owner(request))
 
     if req.stream:

@@ -106,6 +106,11 @@ def test_request_the_swarm_could_never_hold_is_a_400_naming_the_limit(gateway: G
     error = too_long.value.body
     print(f"n=1 x 1500: {too_long.value.status_code} {error['message']}")
     assert error["param"] == "max_tokens" and "at most max_tokens=" in error["message"]
+    with pytest.raises(openai.BadRequestError) as too_long:  # the Responses API names its own field
+        client.responses.create(model=gateway.model, input="hi", max_output_tokens=1500)
+    error = too_long.value.body
+    assert error["param"] == "max_output_tokens" and error["code"] == "cache_capacity_exceeded", error
+    assert "at most max_output_tokens=" in error["message"], error
 
 
 @pytest.mark.slow
