@@ -19,6 +19,7 @@ Two optional abilities, each declared here so the engine reaches them through a 
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeGuard, runtime_checkable
@@ -120,10 +121,21 @@ class BatchingBackend(Protocol):
         self, sessions: Sequence[DecodeSession], token_ids: Sequence[list[int]]
     ) -> list[torch.Tensor | BaseException]:
         """One step of each of ``sessions`` (opened by this backend), each fed its ``token_ids``: per session
-        its logits or the exception its step raised, the same as stepping them one by one."""
+        its logits or the exception its step raised, the same as stepping them one by one.
+
+        A backend may also take ``on_ready`` (a callable of ``[(index, result), ...]``) and hand results
+        over early with it, before late steps complete (``accepts_on_ready``; the swarm backend does)."""
 
     def step_group(self, session: DecodeSession) -> Hashable:
         """Which ``step_many`` call ``session`` may share: sessions of different groups are stepped apart."""
+
+
+def accepts_on_ready(backend: BatchingBackend) -> bool:
+    """Whether ``backend.step_many`` takes ``on_ready`` (hands results over before its late steps end)."""
+    try:
+        return "on_ready" in inspect.signature(backend.step_many).parameters
+    except (TypeError, ValueError):
+        return False
 
 
 @dataclass(frozen=True)
@@ -152,6 +164,7 @@ class RouteReportingBackend(Protocol):
     def describe_route(self, session: DecodeSession) -> SessionRoute | None:
         """``session``'s route as of now (its planned one before the first step opens the streams); None
         when ``session`` is not one of this backend's."""
+
 
 #: the window assumed for a model that names none anywhere (BLOOM's ALiBi has no positions table; it was
 #: trained on 2048-token sequences)

@@ -12,13 +12,19 @@ and finishes each session exactly as ``step`` would. Results are identical to st
 Choices come back at slightly different times (each first emits its text), so after a result the gatherer
 *expects* that choice back and waits for the expected ones — a few loop iterations, at most
 ``GATHER_SECONDS`` — before it sends the next batch. A choice that finishes is forgotten.
+
+A batch is not all-or-nothing: ``run_batch`` gets a ``deliver`` callback and hands over results as they are
+ready, so a step that is late (its server frozen, its session failing over) holds up only its own choice.
+The others come back, are expected, and go on in the next batches while the late step completes — its
+result is delivered whenever it comes, and its choice then joins whatever batch is gathering.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from concurrent.futures import Executor
 from typing import Any, Generic, TypeVar
 
@@ -42,17 +48,22 @@ class _Group:
         self.arrived: asyncio.Event | None = None
 
 
+#: ``deliver(pairs)``: results ready before the batch is done, as (index in the batch, result or exception)
+Deliver = Callable[[Iterable[tuple[int, Any]]], None]
+
+
 class StepGatherer(Generic[T, R]):
-    """Gathers items submitted on one event loop into batches for ``run_batch`` (run in ``executor``), which
-    returns one result or exception per item. Batches may overlap: a latecomer does not wait for the batch
-    in flight.
+    """Gathers items submitted on one event loop into batches for ``run_batch(items, deliver)`` (run in
+    ``executor``), which returns one result or exception per item and may hand any of them over earlier
+    through ``deliver`` (thread-safe; what it delivered is not delivered again). Batches may overlap: a
+    latecomer does not wait for the batch in flight, nor does anyone wait for a batch's late items.
 
     Items of different *groups* never share a batch, and a group's batch waits only for its own keys: the
     client's pipeline groups (``ClientConfig.pipeline_groups``) then stay apart all the way, so the first
     server computes one group while the next server computes the other, instead of every batch returning
     only when its slowest group has passed the whole chain."""
 
-    def __init__(self, executor: Executor, run_batch: Callable[[Sequence[T]], Sequence[Any]]):
+    def __init__(self, executor: Executor, run_batch: Callable[[Sequence[T], Deliver], Sequence[Any]]):
         self._executor = executor
         self._run_batch = run_batch
         self._groups: dict[Hashable, _Group] = {}
@@ -88,13 +99,25 @@ class StepGatherer(Generic[T, R]):
         self.batches += 1
         self.items += len(batch)
         loop = asyncio.get_running_loop()
+
+        def deliver(pairs: Iterable[tuple[int, Any]]) -> None:  # on the batch's thread
+            with contextlib.suppress(RuntimeError):  # the loop is gone: nobody is waiting any more
+                loop.call_soon_threadsafe(self._settle, state, batch, list(pairs))
+
+        items = [item for _, item, _ in batch]
         try:
-            results = await loop.run_in_executor(self._executor, self._run_batch, [item for _, item, _ in batch])
+            results = await loop.run_in_executor(self._executor, self._run_batch, items, deliver)
             if len(results) != len(batch):
                 raise RuntimeError(f"run_batch returned {len(results)} results for {len(batch)} items")
-        except BaseException as e:  # noqa: BLE001 - handed to every caller of the batch
+        except BaseException as e:  # noqa: BLE001 - handed to every caller of the batch not yet answered
             results = [e] * len(batch)
-        for (key, _, future), result in zip(batch, results, strict=True):
+        self._settle(state, batch, enumerate(results))
+
+    @staticmethod
+    def _settle(state: _Group, batch: list[tuple[Hashable, Any, asyncio.Future]], pairs: Iterable[tuple[int, Any]]):
+        """Answer the callers of ``batch`` named in ``pairs`` (those not answered yet) and expect them back."""
+        for index, result in pairs:
+            key, _, future = batch[index]
             if future.done():
                 continue
             state.expected.add(key)

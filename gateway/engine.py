@@ -40,10 +40,17 @@ from typing import Any
 
 import torch
 
-from gateway.backend import BatchingBackend, DecodeSession, ModelBackend, ResumableBackend, can_resume
+from gateway.backend import (
+    BatchingBackend,
+    DecodeSession,
+    ModelBackend,
+    ResumableBackend,
+    accepts_on_ready,
+    can_resume,
+)
 from gateway.capacity_queue import CapacityQueue
 from gateway.choices import ChoiceResult, ChoiceSpec, Delta, FinishReason, TokenLogprob
-from gateway.decode_batch import StepGatherer
+from gateway.decode_batch import Deliver, StepGatherer
 from gateway.detokenize import IncrementalDetokenizer
 from gateway.generation import Generation
 from gateway.metrics import GatewayMetrics
@@ -91,8 +98,11 @@ class Engine(PromptRules):
         self.batching: BatchingBackend | None = None
         #: gathers the decode steps of concurrent choices into one call (None: each steps on its own)
         self.decoder: StepGatherer[_DecodeItem, Any] | None = None
+        #: whether its ``step_many`` hands results over before its late steps complete
+        self._early_results = False
         if settings.batch_decode and isinstance(backend, BatchingBackend):
             self.batching = backend
+            self._early_results = accepts_on_ready(backend)
             self.decoder = StepGatherer(self.executor, functools.partial(self._decode_batch, backend))
 
     def close(self) -> None:
@@ -210,24 +220,40 @@ class Engine(PromptRules):
         item = _DecodeItem(session, token, sampler, k)
         return await handle.wait(handle.track(self.decoder.submit(handle, item, group)))
 
-    def _decode_batch(self, backend: BatchingBackend, items: Sequence[_DecodeItem]) -> list[Any]:
+    def _decode_batch(self, backend: BatchingBackend, items: Sequence[_DecodeItem], deliver: Deliver) -> list[Any]:
         """Step every item's session at once (``backend.step_many``), then sample each; one result or
-        exception per item. A resumed session the servers lost recovers by itself (``ReusableSession``)."""
+        exception per item. A resumed session the servers lost recovers by itself (``ReusableSession``).
+        Results the backend hands over early (its late steps need not hold up the rest) are sampled and
+        ``deliver``ed at once, each sampled exactly once."""
         inner = [i.session.inner if isinstance(i.session, ReusableSession) else i.session for i in items]
-        logits_or_errors = backend.step_many(inner, [[i.token] for i in items])
-        results: list[Any] = []
-        for item, logits in zip(items, logits_or_errors, strict=True):
-            try:
-                reusable = item.session if isinstance(item.session, ReusableSession) else None
-                if isinstance(logits, SessionLost) and reusable is not None and reusable.resumed:
-                    logits = reusable.recover([item.token], logits)  # as its step() would
-                if isinstance(logits, BaseException):
-                    results.append(logits)
-                else:
-                    results.append(self._sample(logits, item.sampler, item.k))
-            except Exception as e:
-                results.append(e)
-        return results
+        tokens = [[i.token] for i in items]
+        sampled: dict[int, Any] = {}
+
+        def on_ready(pairs: list[tuple[int, Any]]) -> None:
+            done = [(i, self._complete(items[i], logits)) for i, logits in pairs if i not in sampled]
+            sampled.update(done)
+            deliver(done)
+
+        if self._early_results:
+            logits_or_errors = backend.step_many(inner, tokens, on_ready=on_ready)
+        else:
+            logits_or_errors = backend.step_many(inner, tokens)
+        return [
+            sampled[i] if i in sampled else self._complete(item, logits)
+            for i, (item, logits) in enumerate(zip(items, logits_or_errors, strict=True))
+        ]
+
+    def _complete(self, item: _DecodeItem, logits: Any) -> Any:
+        """One item's step result (logits or exception) → its sampled token, or the exception."""
+        try:
+            reusable = item.session if isinstance(item.session, ReusableSession) else None
+            if isinstance(logits, SessionLost) and reusable is not None and reusable.resumed:
+                logits = reusable.recover([item.token], logits)  # as its step() would
+            if isinstance(logits, BaseException):
+                return logits
+            return self._sample(logits, item.sampler, item.k)
+        except Exception as e:
+            return e
 
     async def run_choice(self, spec: ChoiceSpec, handle: SessionHandle) -> AsyncGenerator[Delta, None]:
         """Decode one choice, yielding text as soon as it is final (no partial characters, no text that might

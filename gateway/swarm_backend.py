@@ -18,10 +18,10 @@ server sessions (``InferenceSession.resume``), from this process or any other ga
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
+import functools
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +29,7 @@ import torch
 from transformers import AutoTokenizer
 
 from gateway.backend import DecodeSession, RouteHopInfo, SessionRoute, SessionSnapshot, context_window
+from gateway.swarm_steps import run_steps
 from gateway.swarm_view import reachability_label
 from swarm_client import runtime
 from swarm_client.config import default_dht_prefix, parse_initial_peers
@@ -241,14 +242,22 @@ class SwarmBackend:
         return session
 
     def step_many(
-        self, sessions: Sequence[SwarmSession], token_ids: Sequence[list[int]]
+        self,
+        sessions: Sequence[SwarmSession],
+        token_ids: Sequence[list[int]],
+        on_ready: Callable[[list[tuple[int, torch.Tensor | BaseException]]], None] | None = None,
     ) -> list[torch.Tensor | BaseException]:
         """One step of several sessions in one call: their swarm steps run concurrently on the client's I/O
         loop (the servers batch them), everything else exactly as ``SwarmSession.step``, so the logits are
-        the same. One result per session: its logits, or the exception its step raised."""
+        the same. One result per session: its logits, or the exception its step raised.
+
+        ``on_ready``: when some steps are late (gateway/swarm_steps.py: a frozen server, a failover), the
+        results done so far are handed to it before the call returns, then each late one as it completes,
+        so their callers need not wait for the late ones. Every result is returned as well.
+        """
         # a session whose tokens cannot be embedded keeps that error; every other slot is its step's result
         results: list[torch.Tensor | BaseException] = []
-        ready: list[tuple[int, torch.Tensor]] = []
+        ready: dict[int, torch.Tensor] = {}
         for i, (session, ids) in enumerate(zip(sessions, token_ids, strict=True)):
             try:
                 hidden = session._embed(ids)
@@ -256,25 +265,29 @@ class SwarmBackend:
                 results.append(e)
                 continue
             results.append(hidden)  # replaced below by the logits or the step's exception
-            ready.append((i, hidden))
+            ready[i] = hidden
+        if not ready:
+            return results
 
-        async def step_all() -> list[Any]:
-            steps = (sessions[i].inner.astep(hidden, position=sessions[i].position) for i, hidden in ready)
-            return await asyncio.gather(*steps, return_exceptions=True)
+        def finish(i: int, out: Any) -> torch.Tensor | BaseException:
+            if isinstance(out, BaseException):
+                return _swarm_error(out)
+            try:
+                return sessions[i]._finish(token_ids[i], ready[i], out)
+            except Exception as e:
+                return e
 
+        steps = {
+            i: functools.partial(sessions[i].inner.astep, h, position=sessions[i].position) for i, h in ready.items()
+        }
+        early = [(i, r) for i, r in enumerate(results) if i not in ready]  # handed over with the first results
         try:
             with torch.inference_mode():
-                outs = runtime.run(step_all()) if ready else []
+                done = run_steps(steps, finish, on_ready, early)
         except Exception as e:  # the I/O loop itself failed: every step did
-            outs = [e] * len(ready)
-        for (i, hidden), out in zip(ready, outs, strict=True):
-            if isinstance(out, BaseException):
-                results[i] = _swarm_error(out)
-                continue
-            try:
-                results[i] = sessions[i]._finish(token_ids[i], hidden, out)
-            except Exception as e:
-                results[i] = e
+            done = {i: e for i in ready}
+        for i, result in done.items():
+            results[i] = result
         return results
 
     @staticmethod

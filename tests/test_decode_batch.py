@@ -21,7 +21,7 @@ class Recorder:
         self.batches: list[list[int]] = []
         self.threads: set[str] = set()
 
-    def __call__(self, items):
+    def __call__(self, items, deliver):
         self.batches.append(list(items))
         self.threads.add(threading.current_thread().name)
         return [ValueError(f"bad {i}") if i < 0 else i * i for i in items]
@@ -49,7 +49,7 @@ def test_items_submitted_together_run_as_one_call_with_their_own_results(executo
 
 
 def test_a_failing_batch_fails_each_of_its_callers(executor):
-    def broken(items):
+    def broken(items, deliver):
         raise RuntimeError("backend down")
 
     gatherer = StepGatherer(executor, broken)
@@ -138,3 +138,36 @@ def test_a_key_that_moves_group_is_not_waited_for_in_its_old_one(executor, monke
     waited = asyncio.run(main())
     assert run.batches == [[1, 2], [3], [4]]
     assert waited < 0.4
+
+
+def test_results_delivered_early_do_not_wait_for_a_late_item_of_their_batch(executor, monkeypatch):
+    """A batch whose item "slow" is late (a frozen server): ``run_batch`` delivers the others early; their
+    callers go on and step again (next batches) while "slow" is still running, and "slow" gets its own
+    result when it comes. Nothing is answered twice."""
+    monkeypatch.setattr(decode_batch, "GATHER_SECONDS", 0.5)
+    release = threading.Event()
+    batches: list[list[str]] = []
+
+    def run(items, deliver):
+        batches.append(list(items))
+        if "slow" in items:
+            deliver([(i, f"{x}!") for i, x in enumerate(items) if x != "slow"])
+            assert release.wait(5)
+        return [f"{x}!" for x in items]
+
+    gatherer = StepGatherer(executor, run)  # two threads: the late batch holds one
+
+    async def main():
+        late = gatherer.submit("s", "slow")
+        first = await asyncio.gather(gatherer.submit("a", "a1"), gatherer.submit("b", "b1"))
+        assert not late.done()
+        t0 = time.monotonic()
+        later = [await asyncio.gather(gatherer.submit("a", f"a{n}"), gatherer.submit("b", f"b{n}")) for n in (2, 3)]
+        waited = time.monotonic() - t0
+        release.set()
+        return first, later, await late, waited
+
+    first, later, late, waited = asyncio.run(main())
+    assert first == ["a1!", "b1!"] and later == [["a2!", "b2!"], ["a3!", "b3!"]] and late == "slow!"
+    assert batches == [["slow", "a1", "b1"], ["a2", "b2"], ["a3", "b3"]]
+    assert waited < 0.4  # "s" was not expected back while its step was still running

@@ -6,6 +6,9 @@ both replicas (each one's ``x-swarm-route`` header says where). One replica is S
 without closing a connection — for ``FREEZE_S``: the streams on the other replica go on without a gap
 (the gateway's batched decode must not wait for the frozen server's steps), and the streams on the frozen
 one fail over to the healthy one with exactly the text of an unfrozen greedy run.
+
+Measured here (2 loaded cores): largest gap 0.07-0.12 s; with the batch waiting for its slowest step (the
+code before issue 24) 6.2 s; with the client's spot checks on, 2.0 s (a check sent to the frozen replica).
 """
 
 from __future__ import annotations
@@ -79,7 +82,11 @@ def replicas(tiny_llama: str) -> Iterator[Swarm]:
 
 @pytest.fixture(scope="module")
 def gw(replicas: Swarm, tiny_llama: str) -> Iterator[Gateway]:
-    backend = SwarmBackend(tiny_llama, [replicas.initial_peers], update_period=0.5, failover_deadline=60)
+    # no spot checks: one that lands on the frozen replica holds its (healthy) step for the client's
+    # spot_check_wait (2 s) — measured, and a client matter; this test is about the gateway's batched decode
+    backend = SwarmBackend(
+        tiny_llama, [replicas.initial_peers], update_period=0.5, failover_deadline=60, spot_check_rate=0.0
+    )
     gateway = start_gateway(backend)
     yield gateway
     gateway.server.stop()
@@ -142,8 +149,9 @@ def test_a_frozen_replica_does_not_stall_the_other_replicas_streams(
     threads = [threading.Thread(target=_run, args=(gw, s, bias), daemon=True) for s in streams]
     stopped: list[int] = []
     try:
-        for t in threads:
-            t.start()
+        for s, t in zip(streams, threads, strict=True):
+            t.start()  # one at a time: routing spreads a session by the ones already open (not by those opening)
+            assert _wait(lambda s=s: bool(s.route) or s.error is not None, 30), f"stream {s.index} did not start"
         assert _wait(lambda: all(len(s.chunks) >= 5 or s.error for s in streams), 60), streams
         assert not [s.error for s in streams if s.error]
         on = {w.peer_id: [s for s in streams if w.peer_id in s.route] for w in replicas.workers}
@@ -170,8 +178,12 @@ def test_a_frozen_replica_does_not_stall_the_other_replicas_streams(
             s.stop.set()
     gaps = {s.index: round(s.gaps_within(t_freeze, t_thaw), 3) for s in healthy}
     print(f"largest gap of the healthy replica's streams during a {FREEZE_S:.0f} s freeze: {max(gaps.values()):.3f} s")
-    print("per stream:", gaps, "chunks during the freeze:",
-          {s.index: sum(t_freeze < t < t_thaw for t, _ in s.chunks) for s in healthy})
+    print(
+        "per stream:",
+        gaps,
+        "chunks during the freeze:",
+        {s.index: sum(t_freeze < t < t_thaw for t, _ in s.chunks) for s in healthy},
+    )
     assert not [s.error for s in streams if s.error]
     assert max(gaps.values()) < MAX_GAP_S
     for s in on[frozen.peer_id]:
