@@ -152,4 +152,4 @@ class CapacityQueue:
 
 def _closed(handle: Any) -> bool:
     """Whether a session handle (``gateway/session_handle.py``) is closed: its reservation ends then."""
-    return bool(getattr(handle, "_closed", True))
+    return bool(getattr(handle, "closed", True))

@@ -139,6 +139,11 @@ class SessionHandle:
         #: when the request began opening this session: its time to first token counts from here
         self.opened_at = time.perf_counter()
 
+    @property
+    def closed(self) -> bool:
+        """``aclose`` has run: the session no longer holds any server's cache (its reservation ends)."""
+        return self._closed
+
     async def call(self, fn: Callable[..., T], *args: Any) -> T:
         if self._closed:
             raise RuntimeError("session already closed")
