@@ -12,10 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import contextlib
-import functools
 import queue
-import time
 from collections.abc import Callable, Coroutine, Mapping
 from typing import Any, TypeVar
 
@@ -46,29 +43,35 @@ def run_steps(
     thread as it answers. Returns every ``finish`` result. With ``on_ready``, once steps are late, the ones
     finished so far (and ``early``, results known before any step) are handed to it, then each late one as
     it completes — except the last ones, which are only returned."""
-    inbox: queue.SimpleQueue[tuple[int, Any]] = queue.SimpleQueue()
+    inbox: queue.SimpleQueue[list[tuple[int, Any]]] = queue.SimpleQueue()
+
+    def outcome(task: asyncio.Future) -> Any:
+        return asyncio.CancelledError() if task.cancelled() else task.exception() or task.result()
 
     async def step_all() -> None:
-        def done(i: int, task: asyncio.Future) -> None:
-            inbox.put((i, asyncio.CancelledError() if task.cancelled() else task.exception() or task.result()))
-
-        tasks = []
-        for i, step in steps.items():  # all started in this iteration: bundled steps travel together
-            task = asyncio.ensure_future(step())
-            task.add_done_callback(functools.partial(done, i))
-            tasks.append(task)
-        await asyncio.wait(tasks)
+        """On the I/O loop: start every step in this iteration (bundled steps travel together), then put
+        what answered into ``inbox`` in groups — the first answers and those within ``late_after``, then
+        each late one — so this thread wakes once per group, as it would for one ``gather``."""
+        started = asyncio.get_running_loop().time()
+        index = {asyncio.ensure_future(step()): i for i, step in steps.items()}
+        done, pending = await asyncio.wait(index, return_when=asyncio.FIRST_COMPLETED)
+        if pending:
+            first_s = asyncio.get_running_loop().time() - started
+            more, pending = await asyncio.wait(pending, timeout=late_after(first_s))
+            done |= more
+        while True:
+            inbox.put([(index[t], outcome(t)) for t in done])
+            if not pending:
+                return
+            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
 
     results: dict[int, R] = {}
     unsent = list(early or [])  # finished, not handed to on_ready
     left = set(steps)
-    started = time.monotonic()
-    deadline: float | None = None  # set at the first answer: the steps still running after it are late
     outer = asyncio.run_coroutine_threadsafe(step_all(), runtime.get_loop())
     while left:
-        gathering = deadline is not None and time.monotonic() < deadline
-        arrived = _drain(inbox, outer, deadline if gathering else None)
-        if not arrived and outer.done() and inbox.empty():  # the I/O loop failed: every step left did
+        arrived = _next_group(inbox, outer)
+        if arrived is None:  # the I/O loop failed: every step left did
             error = outer.exception() or RuntimeError("the swarm steps ended without an answer")
             arrived = [(i, error) for i in left]
         for i, out in arrived:
@@ -76,28 +79,17 @@ def run_steps(
                 left.discard(i)
                 results[i] = finish(i, out)
                 unsent.append((i, results[i]))
-        if deadline is None and arrived:
-            deadline = time.monotonic() + late_after(time.monotonic() - started)
-        if on_ready is not None and unsent and left and deadline is not None and time.monotonic() >= deadline:
+        if on_ready is not None and unsent and left:
             on_ready(unsent)  # the rest are late: these go on without them
             unsent = []
     return results
 
 
-def _drain(inbox: queue.SimpleQueue, outer: concurrent.futures.Future, until: float | None) -> list[tuple[int, Any]]:
-    """What ``inbox`` holds: wait for a first entry until ``until`` (None: as long as ``outer``, the steps'
-    coroutine, runs), then take whatever else is there without waiting. Empty: nothing came in time."""
-    got: list[tuple[int, Any]] = []
-    while not got:
-        wait = 0.5 if until is None else min(0.5, until - time.monotonic())
-        if wait <= 0:
-            return got
+def _next_group(inbox: queue.SimpleQueue, outer: concurrent.futures.Future) -> list[tuple[int, Any]] | None:
+    """The next group of answers, or None once ``outer`` (the steps' coroutine) ended with nothing left."""
+    while True:
         try:
-            got.append(inbox.get(timeout=wait))
+            return inbox.get(timeout=0.5)
         except queue.Empty:
             if outer.done() and inbox.empty():
-                return got
-    with contextlib.suppress(queue.Empty):
-        while True:
-            got.append(inbox.get_nowait())
-    return got
+                return None

@@ -171,3 +171,33 @@ def test_results_delivered_early_do_not_wait_for_a_late_item_of_their_batch(exec
     assert first == ["a1!", "b1!"] and later == [["a2!", "b2!"], ["a3!", "b3!"]] and late == "slow!"
     assert batches == [["slow", "a1", "b1"], ["a2", "b2"], ["a3", "b3"]]
     assert waited < 0.4  # "s" was not expected back while its step was still running
+
+
+def test_run_steps_hands_over_the_prompt_steps_together_and_a_late_one_after():
+    """``run_steps`` (the swarm backend's ``step_many``): steps that answer together are one group, a late
+    one (here 1 s) its own; a batch with no late step is only returned (one hand-off, as before)."""
+    from gateway.swarm_steps import run_steps
+
+    def step(delay: float, value: int):
+        async def go() -> int:
+            await asyncio.sleep(delay)
+            if value < 0:
+                raise ValueError("bad step")
+            return value
+
+        return go
+
+    groups: list[list[tuple[int, object]]] = []
+    finish = lambda i, out: out if isinstance(out, BaseException) else out * 10  # noqa: E731
+    steps = {0: step(0.01, 1), 1: step(1.0, 2), 2: step(0.01, -1), 3: step(0.02, 4)}
+    t0 = time.monotonic()
+    results = run_steps(
+        steps, finish, lambda pairs: groups.append((time.monotonic() - t0, sorted(pairs, key=lambda p: p[0])))
+    )
+    assert results[0] == 10 and results[1] == 20 and results[3] == 40 and isinstance(results[2], ValueError)
+    assert len(groups) == 1  # the late step's result is only returned
+    at, first = groups[0]
+    assert [i for i, _ in first] == [0, 2, 3] and at < 0.9
+    groups.clear()
+    assert run_steps({0: step(0.0, 1), 1: step(0.01, 2)}, finish, groups.append) == {0: 10, 1: 20}
+    assert groups == []
