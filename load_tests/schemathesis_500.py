@@ -20,6 +20,8 @@ import sys
 import tempfile
 import time
 from collections import Counter
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -52,7 +54,17 @@ def _clamp(body: Any) -> None:
             body[key] = cap
 
 
-def fuzz(schema: Any, method: str, path: str, mode: str, examples: int) -> dict[str, Any]:
+def fuzz(
+    schema: Any,
+    method: str,
+    path: str,
+    mode: str,
+    examples: int,
+    observe: Callable[[Any, Any], None] | None = None,
+    prepare: Callable[[Any], None] | None = None,
+) -> dict[str, Any]:
+    """``examples`` cases of one operation; ``prepare(body)`` may edit each body before it is sent (after the
+    budgets are clamped), ``observe(case, response)`` sees each answer."""
     operation = schema[path][method]
     statuses: Counter[int] = Counter()
     failures: list[dict[str, Any]] = []
@@ -66,8 +78,12 @@ def fuzz(schema: Any, method: str, path: str, mode: str, examples: int) -> dict[
     @given(case=operation.as_strategy(generation_mode=GenerationMode(mode)))
     def run(case: Any) -> None:
         _clamp(case.body)
+        if prepare is not None:
+            prepare(case.body)
         response = case.call(timeout=TIMEOUT_S)
         statuses[response.status_code] += 1
+        if observe is not None:
+            observe(case, response)
         if response.status_code >= 500 and len(failures) < 20:
             failures.append(
                 {"status": response.status_code, "body": response.text[:2000], "curl": case.as_curl_command()}
@@ -86,6 +102,22 @@ def fuzz(schema: Any, method: str, path: str, mode: str, examples: int) -> dict[
     }
 
 
+@contextmanager
+def served_gateway(tpm: int = 0) -> Iterator[str]:
+    """A real uvicorn gateway over a random tiny Llama (``LocalBackend``); yields its base URL."""
+    with tempfile.TemporaryDirectory(prefix="fuzz-") as tmp:
+        model = make_tiny_model(Path(tmp) / "tiny-llama", family="llama", num_layers=4, seed=0)
+        backend = LocalBackend(model)
+        server = BackgroundServer(
+            create_app(backend, GatewaySettings(default_max_tokens=32, rate_limit_tpm=tpm))
+        ).start()
+        try:
+            yield server.url
+        finally:
+            server.stop()
+            backend.close()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--examples", type=int, default=500)
@@ -96,29 +128,20 @@ def main() -> None:
 
     torch.set_num_threads(1)
     logging.basicConfig(level=logging.ERROR)  # a 500's traceback still shows; "unknown fields" lines do not
-    with tempfile.TemporaryDirectory(prefix="fuzz-") as tmp:
-        model = make_tiny_model(Path(tmp) / "tiny-llama", family="llama", num_layers=4, seed=0)
-        backend = LocalBackend(model)
-        server = BackgroundServer(
-            create_app(backend, GatewaySettings(default_max_tokens=32, rate_limit_tpm=args.tpm))
-        ).start()
-        try:
-            schema = schemathesis.openapi.from_url(f"{server.url}/openapi.json")
-            operations = [(op.method.upper(), op.path) for op in (r.ok() for r in schema.get_all_operations())]
-            runs = [(m, p, "positive") for m, p in operations]
-            runs += [(m, p, "negative") for m, p in operations if m == "POST"]
-            results = []
-            for method, path, mode in runs:
-                if args.only and args.only not in path:
-                    continue
-                result = fuzz(schema, method, path, mode, args.examples)
-                print(json.dumps({k: v for k, v in result.items() if k != "failures"}), flush=True)
-                for failure in result["failures"]:
-                    print("  5xx:", failure["curl"], "->", failure["body"][:300], flush=True)
-                results.append(result)
-        finally:
-            server.stop()
-            backend.close()
+    with served_gateway(args.tpm) as url:
+        schema = schemathesis.openapi.from_url(f"{url}/openapi.json")
+        operations = [(op.method.upper(), op.path) for op in (r.ok() for r in schema.get_all_operations())]
+        runs = [(m, p, "positive") for m, p in operations]
+        runs += [(m, p, "negative") for m, p in operations if m == "POST"]
+        results = []
+        for method, path, mode in runs:
+            if args.only and args.only not in path:
+                continue
+            result = fuzz(schema, method, path, mode, args.examples)
+            print(json.dumps({k: v for k, v in result.items() if k != "failures"}), flush=True)
+            for failure in result["failures"]:
+                print("  5xx:", failure["curl"], "->", failure["body"][:300], flush=True)
+            results.append(result)
     summary = {
         "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "schemathesis": schemathesis.__version__,
