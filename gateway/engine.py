@@ -14,7 +14,8 @@ thread — ``asyncio.to_thread``-style, but in the engine's own pool of ``settin
 swarm step blocks on the network and the loop's default pool has only ``cpu_count + 4`` threads. Prompts
 are rendered and tokenized on one more thread, ``tokenize`` (gateway/tokenize_thread.py, with its own copy
 of the tokenizer); ``tokenizer`` itself turns the tokens back into text on the event loop. With a
-``BatchingBackend``, the decode steps of concurrent choices go out together (gateway/decode_batch.py).
+``BatchingBackend``, the decode steps of concurrent choices go out together (gateway/decode_batch.py); a
+late step (a frozen server, a failover) holds up only its own choice (gateway/swarm_steps.py).
 
 Prefix reuse (an affinity store and a ``ResumableBackend``): ``start`` claims the cached session sharing the
 longest prefix with choice 0's prompt and ``_prefill`` feeds only what that session does not already hold
