@@ -233,9 +233,13 @@ def start_spot_check(
     rate = manager.config.spot_check_rate
     if rate <= 0 or random.random() >= rate or history.unknown:
         return None
+    # only peers that answered their last ping: one banned for going silent has its RTT dropped, and a step
+    # would wait ``spot_check_wait`` for a frozen checker each time its ban ran out
+    unmeasured = [peer for peer in manager.spans if peer not in manager.rtt]
     try:
         # the checker sees the hop's inputs: the trust policy applies to it as to the hop itself
-        checkers = find_route(manager.spans, hop.start, hop.end, **manager.route_options(exclude=[hop.peer_id]))
+        options = manager.route_options(exclude=[hop.peer_id, *unmeasured])
+        checkers = find_route(manager.spans, hop.start, hop.end, **options)
     except NoRouteError:
         return None  # nobody else holds these blocks: nothing to compare with
     prefix = history.read(position)

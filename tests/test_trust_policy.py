@@ -13,7 +13,7 @@ from swarm_client import NoRouteError, runtime
 from swarm_client.dht_records import RemoteSpanInfo, ServerInfo, ServerState
 from swarm_client.failover import start_spot_check
 from swarm_client.history import HistoryBuffer
-from swarm_client.routing import RouteHop
+from swarm_client.routing import BanList, RouteHop
 from swarm_client.sequence_manager import ClientConfig, SequenceManager
 from tests.swarm_fixtures import Swarm, greedy_route
 
@@ -85,6 +85,9 @@ def test_spot_checkers_of_an_end_block_are_trusted():
     manager = manager_over(span("T1", 0, 4), span("U", 0, 4, 1000), spot_check_rate=1.0)
     assert asyncio.run(checkers(manager, hop)) is None  # only an untrusted server could check: no check
     assert asyncio.run(checkers(manager, RouteHop("T1", 1, 3))) == ["U"]  # the middle blocks: anyone
+    manager.ban("U", "test: went silent")  # its RTT is dropped; once the ban runs out it is still unmeasured
+    manager.bans = BanList(base=manager.config.ban_base, max_ban=manager.config.ban_max)
+    assert asyncio.run(checkers(manager, RouteHop("T1", 1, 3))) is None  # never a checker before a ping answers
 
 
 @pytest.mark.slow
