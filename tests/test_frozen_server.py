@@ -189,3 +189,11 @@ def test_a_frozen_replica_does_not_stall_the_other_replicas_streams(
     for s in on[frozen.peer_id]:
         assert s.finish == "length"
         assert s.text == _reference(local_llama, tiny_llama, s.index, bias), f"stream {s.index} changed its text"
+    # the thawed replica finds its streams gone (the client dropped them at failover) and frees their caches:
+    # nothing stays attached; a detached cache would expire with the session TTL
+    def frozen_sessions() -> dict:
+        info = gw.backend.server_info(frozen.peer_id)
+        return {k: info[k] for k in ("sessions_attached", "sessions_detached", "cache_tokens_used")}
+
+    assert _wait(lambda: frozen_sessions()["sessions_attached"] == 0, 30), frozen_sessions()
+    print("the thawed replica after its sessions failed over:", frozen_sessions())
