@@ -35,6 +35,7 @@ class AffinitySwarm:
 
 @pytest.fixture(scope="module")
 def affinity_swarm(tiny_llama: str) -> Iterator[AffinitySwarm]:
+    from swarmserve.processes import wait_ready
     from tests.swarm_fixtures import Swarm
 
     s = Swarm(tiny_llama)
@@ -42,9 +43,7 @@ def affinity_swarm(tiny_llama: str) -> Iterator[AffinitySwarm]:
         fast = ("--throughput", "1000")  # skips the startup benchmark; deterministic routing
         procs = [s.add_worker(*fast, blocks=span, wait=False) for span in SPANS]
         procs.append(s.add_worker(*fast, "--dht-prefix", EVICT_PREFIX, "--session-ttl", "1", blocks="0:4", wait=False))
-        for proc in procs:  # started together: their startups overlap
-            line = proc.wait_for("swarmserve worker ready:")
-            proc.peer_id = line.split(" as peer ", 1)[1].split(";", 1)[0]
+        wait_ready(procs, timeout=120)  # started together: their startups overlap; each reads its peer id
         yield AffinitySwarm(s, procs[:2], procs[2])
     finally:
         s.close()

@@ -144,7 +144,8 @@ def test_spot_check_catches_a_server_returning_wrong_activations(faulty_swarm, t
     s = faulty_swarm
     bad = s.add_worker("--fault", "noise:3", "--throughput", "1e9", blocks="0:2")
     model = AutoDistributedModelForCausalLM.from_pretrained(
-        tiny_llama, initial_peers=[s.initial_peers], spot_check_rate=1.0, failover_deadline=30
+        tiny_llama, initial_peers=[s.initial_peers], spot_check_rate=1.0, failover_deadline=30,
+        spot_check_wait=30,  # a check is dropped past this; on 2 loaded cores one took longer than 2 s
     )
     try:
         runtime.run(model.manager.update(force=True))

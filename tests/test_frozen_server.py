@@ -26,6 +26,7 @@ import torch
 
 from gateway.route_info import ROUTE_HEADER
 from gateway.swarm_backend import SwarmBackend
+from swarmserve.processes import wait_ready
 from tests.gateway_fixtures import Gateway, chat_prompt_ids, start_gateway
 from tests.swarm_fixtures import Swarm
 
@@ -73,8 +74,7 @@ def replicas(tiny_llama: str) -> Iterator[Swarm]:
     try:
         # a low claimed speed: routing weighs our own sessions on each replica above RTT noise, so they spread
         procs = [s.add_worker("--throughput", "5", blocks="0:4", wait=False) for _ in range(2)]
-        for proc in procs:
-            proc.peer_id = proc.wait_for("swarmserve worker ready:").split(" as peer ", 1)[1].split(";", 1)[0]
+        wait_ready(procs, timeout=120)  # started together: their startups overlap; each reads its peer id
         yield s
     finally:
         s.close()

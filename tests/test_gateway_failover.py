@@ -13,6 +13,7 @@ from collections.abc import Iterator
 import pytest
 
 from gateway.swarm_backend import SwarmBackend
+from swarmserve.processes import wait_ready
 from tests.gateway_fixtures import Gateway, InstrumentedBackend, start_gateway
 from tests.swarm_fixtures import Swarm
 
@@ -30,8 +31,7 @@ def failover_swarm(tiny_llama: str) -> Iterator[Swarm]:
     try:
         # fixed spans need no view of each other: start all four at once, then wait for each
         procs = [s.add_worker("--throughput", "1000", blocks=span, wait=False) for span in SPANS]
-        for proc in procs:
-            proc.peer_id = proc.wait_for("swarmserve worker ready:").split(" as peer ", 1)[1].split(";", 1)[0]
+        wait_ready(procs, timeout=120)  # each reads its peer id from its ready line
         yield s
     finally:
         s.close()
