@@ -17,12 +17,12 @@ from dataclasses import dataclass
 import torch
 
 from swarm_client.errors import (
+    CacheExhaustedError,
     InvalidInputError,
     LengthExceededError,
     NoRouteError,
     PeerError,
     RemoteError,
-    ServerBusyError,
     SessionLost,
     SessionTooLongError,
     SwarmBusyError,
@@ -53,11 +53,12 @@ def all_busy(manager: SequenceManager, start: int, end: int) -> bool:
 
 
 async def wait_for_room(
-    manager: SequenceManager, error: ServerBusyError | SessionTooLongError, start: int, end: int, give_up_at: float
+    manager: SequenceManager, error: CacheExhaustedError | SessionTooLongError, start: int, end: int, give_up_at: float
 ) -> None:
-    """A server of ``[start, end)`` is full (or too small): route around it at once when another can take
-    the session, else wait a little for room — up to ``give_up_at``, then ``SwarmBusyError`` (or the
-    ``SessionTooLongError`` itself: waiting never makes a session fit a smaller cache). Never a ban."""
+    """A server of ``[start, end)`` is full (busy, or its cache ran out under a replayed session) or too
+    small: route around it at once when another can take the session, else wait a little for room — up to
+    ``give_up_at``, then ``SwarmBusyError`` (or the ``SessionTooLongError`` itself: waiting never makes a
+    session fit a smaller cache). Never a ban."""
     if error.peer_id:
         manager.mark_busy(error.peer_id, str(error))
     if not all_busy(manager, start, end):
@@ -91,7 +92,7 @@ async def open_span(
             if time.monotonic() + 0.5 > route_deadline:
                 raise
             await asyncio.sleep(0.5)
-        except (ServerBusyError, SessionTooLongError) as e:
+        except (CacheExhaustedError, SessionTooLongError) as e:  # full (ServerBusyError too), not faulty
             await wait_for_room(manager, e, start, end, busy_deadline)
         except (PeerError, RemoteError) as e:
             if getattr(e, "peer_id", None):
@@ -142,7 +143,7 @@ async def replace_span(
             if time.monotonic() + 0.5 > deadline:
                 raise
             await asyncio.sleep(0.5)
-        except (ServerBusyError, SessionTooLongError) as e:
+        except (CacheExhaustedError, SessionTooLongError) as e:  # full (ServerBusyError too), not faulty
             error = e
             await close_all(sessions)
             await wait_for_room(manager, e, failed.start, failed.end, min(deadline, busy_deadline))

@@ -23,7 +23,14 @@ from swarm_client.errors import (
     SessionLost,
     SessionNotFoundError,
 )
-from swarm_client.failover import CALLER_ERRORS, PendingSpotCheck, open_span, replace_span, start_spot_check
+from swarm_client.failover import (
+    CALLER_ERRORS,
+    PendingSpotCheck,
+    open_span,
+    replace_span,
+    start_spot_check,
+    wait_for_room,
+)
 from swarm_client.history import HistoryBuffer
 from swarm_client.routing import RouteHop
 from swarm_client.sequence_manager import SequenceManager
@@ -186,6 +193,7 @@ class InferenceSession:
 
     async def _step_chain(self, hidden: torch.Tensor, position: int, output_hidden_states: bool) -> torch.Tensor:
         deadline = time.monotonic() + self.manager.config.failover_deadline
+        busy_deadline = min(deadline, time.monotonic() + self.manager.config.busy_wait)
         x = hidden
         states: list[torch.Tensor] = []
         push = (
@@ -220,6 +228,10 @@ class InferenceSession:
                 raise
             except (PeerError, RemoteError) as e:
                 if isinstance(e, SessionNotFoundError | CacheExhaustedError | PeerError) or type(e) is RemoteError:
+                    if isinstance(e, CacheExhaustedError):  # full, not faulty: with every server of the span
+                        # full, wait for room (``busy_wait`` at most, then SwarmBusyError) rather than re-open on
+                        # the full server and fail the same step again, until the failover deadline
+                        await wait_for_room(self.manager, e, hop.hop.start, hop.hop.end, busy_deadline)
                     await self._replace_hop(index, position, e, deadline)
                     # a fresh step id: later hops may have run a push from the failed hop's output
                     step_id = uuid.uuid4().hex if push else None

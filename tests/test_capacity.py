@@ -208,3 +208,33 @@ def test_one_full_server_answers_503_with_retry_after_quickly(tiny_llama: str) -
         with httpx.Client(base_url=gw.url, timeout=60) as http:
             assert http.post("/v1/chat/completions", json=_body(gw)).status_code == 200
         assert not gw.backend.manager.bans.banned()
+
+
+@pytest.mark.slow
+def test_a_cache_that_runs_out_mid_session_is_busy_not_a_fault(tiny_llama: str) -> None:
+    """The only server's cache fills while a session runs: the client moves it (replaying its history onto
+    the same server, the only one) and the replay runs out of cache too. That is "full", not "faulty": after
+    ``busy_wait`` it gives up with ``SwarmBusyError`` and bans nobody (it used to ban the server and retry for
+    the whole 60 s failover deadline, then raise ``SessionLost``)."""
+    import torch
+
+    from swarm_client import AutoDistributedModelForCausalLM
+
+    with swarm(tiny_llama, ["0:4"], "--cache-tokens", "512") as s:
+        model = AutoDistributedModelForCausalLM.from_pretrained(
+            tiny_llama, initial_peers=[s.initial_peers], failover_deadline=60, busy_wait=3, spot_check_rate=0
+        )
+        try:
+            big, small = torch.randint(5, 100, (1, 400)), torch.randint(5, 100, (1, 200))
+            with torch.inference_mode(), model.inference_session(max_length=450) as holder:
+                model(big, session=holder)  # 400 of the server's 512 token slots
+                with model.inference_session(max_length=300) as session:
+                    t0 = time.monotonic()
+                    with pytest.raises(SwarmBusyError):
+                        model(small, session=session)  # needs 200, 112 left
+                    took = time.monotonic() - t0
+            print(f"gave up after {took:.1f} s")
+            assert took < 20, took
+            assert not model.manager.bans.banned()
+        finally:
+            model.shutdown()
