@@ -91,8 +91,9 @@ class BlockServer:
         self.dht = self._start_dht()
         up_at = time.monotonic()
         # which addresses peers are told to dial: the first thing to check when nobody reaches a server
-        visible = " ".join(str(m) for m in self.dht.get_visible_maddrs())
-        print(f"swarmserve worker: listening on {cfg.host}:{cfg.port}, announcing {visible}", flush=True)
+        visible = self.dht.get_visible_maddrs()
+        shown = " ".join(map(str, visible))
+        print(f"swarmserve worker: listening on {cfg.host}:{cfg.port}, announcing {shown}", flush=True)
         if not announce and cfg.host in ("0.0.0.0", "::"):
             logger.warning("no --public-ip / --announce-maddrs: behind NAT or in a container these are private")
         install_message_cap(cfg.max_message_bytes, max(DEFAULT_MAX_RECEIVING_BYTES, 4 * cfg.max_message_bytes))
@@ -100,7 +101,7 @@ class BlockServer:
         check = cfg.reachability_check or None  # runs while we choose the span and load the weights
         if check:
             kw = {"dht": self.dht, "dht_prefix": self.dht_prefix, "num_blocks": self.total_blocks}
-            check = asyncio.create_task(startup_check(p2p, self.dht.get_visible_maddrs(), cfg.initial_peers, **kw))
+            check = asyncio.create_task(startup_check(p2p, visible, cfg.initial_peers, **kw))
         self.start, self.end = await asyncio.to_thread(self._choose_span)
         logger.info("chose blocks %d:%d of %d", self.start, self.end, self.total_blocks)
         await self._announce(ServerState.JOINING)
