@@ -298,11 +298,12 @@ class SwarmBackend:
 
     def describe_route(self, session: DecodeSession) -> SessionRoute | None:
         """``session``'s servers and block spans in order (``RouteReportingBackend``), and whether steps are
-        pushed server to server (``push=True`` in the client options, and more than one server)."""
+        pushed server to server (the client's ``push`` option; under "auto", decided from the route's RTTs)."""
         if not isinstance(session, SwarmSession):
             return None
-        hops = tuple(RouteHopInfo(h.peer_id, h.start, h.end) for h in session.route)
-        return SessionRoute(hops, push=bool(self.manager.config.push) and len(hops) > 1)
+        route = session.route
+        hops = tuple(RouteHopInfo(h.peer_id, h.start, h.end) for h in route)
+        return SessionRoute(hops, push=self.manager.push_pays(route))
 
     def _forget(self, session: SwarmSession) -> None:
         with self._lock:

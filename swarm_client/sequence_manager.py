@@ -39,6 +39,8 @@ DHT_BOOTSTRAP_TIMEOUT = 3.0
 
 #: ``ClientConfig.pipeline_groups`` value: one group per server of each session's route
 AUTO_GROUPS = "auto"
+#: ``ClientConfig.push`` value: push where the measured RTTs say it pays (``SequenceManager.push_pays``)
+AUTO_PUSH = "auto"
 
 
 def check_pipeline_groups(groups: object) -> int | str:
@@ -95,8 +97,12 @@ class ClientConfig:
     spot_check_wait: float = 2.0
     compression: str = "none"
     #: server-to-server push: each server also sends its output straight to the next server of the chain,
-    #: which starts computing before the client's own copy arrives (that copy still goes, as a fallback)
-    push: bool = False
+    #: which starts computing before the client's own copy arrives (that copy still goes, as a fallback).
+    #: "auto": on for a chain of 2+ servers unless every later server is nearer than ``push_min_rtt`` (a LAN or
+    #: one machine, where it saves nothing and costs a message per hop); True / False: always / never
+    push: bool | str = AUTO_PUSH
+    #: under ``push="auto"``: the measured RTT (client to server) from which pushing to a server pays
+    push_min_rtt: float = 0.005
     #: pipeline groups: sessions are dealt round-robin into this many groups, and a server batches one group's
     #: steps at a time, so consecutive servers of a chain compute different groups at once instead of each
     #: idling while the other computes the one big batch (1: no groups, every session batches with every other;
@@ -121,6 +127,8 @@ class ClientConfig:
 
     def __post_init__(self) -> None:
         self.trusted_peers = parse_peer_ids(self.trusted_peers)
+        if self.push not in (True, False, AUTO_PUSH):
+            raise ValueError(f"push must be True, False or {AUTO_PUSH!r}, got {self.push!r}")
 
 
 def parse_peer_ids(value: str | list[str] | tuple[str, ...] | None) -> list[str]:
@@ -172,6 +180,8 @@ class SequenceManager:
         self._last_update = 0.0
         self._p2p: P2P | None = None
         self._update_lock: asyncio.Lock | None = None
+        #: the background task keeping ``spans`` fresh (``_keep_fresh``), started by the first read
+        self._refresher: asyncio.Task | None = None
         self._sessions_dealt = 0
         self._bundlers: dict[str, StepBundler] = {}
         #: peer → monotonic time until which it counts as busy (it answered ``ServerBusyError``)
@@ -229,6 +239,20 @@ class SequenceManager:
         self._sessions_dealt += 1
         return (self._sessions_dealt - 1) % groups
 
+    def push_pays(self, route: list[RouteHop]) -> bool:
+        """Whether a session on ``route`` asks its servers to push steps to each other (``ClientConfig.push``).
+
+        Under "auto": push saves, at each server after the first, the client's round trip to it minus the
+        servers' own one-way trip, and costs a message per hop; so it is on where some later server is at least
+        ``push_min_rtt`` away (a server not measured yet counts as far: a swarm is usually spread over the
+        internet) and off where every one is near (one machine, a LAN). A single server has nobody to push to.
+        """
+        if len(route) < 2 or not self.config.push:
+            return False
+        if self.config.push is True:
+            return True
+        return any(self.rtt.get(hop.peer_id, float("inf")) >= self.config.push_min_rtt for hop in route[1:])
+
     def step_bundler(self, peer_id: str) -> StepBundler | None:
         """The step bundle stream to ``peer_id``, if bundles are on and the server announces them."""
         if not self.config.step_bundles:
@@ -264,14 +288,22 @@ class SequenceManager:
 
     # ------------------------------------------------------------------ swarm view
     async def update(self, force: bool = False, max_age: float | None = None) -> dict[str, RemoteSpanInfo]:
-        """The swarm's spans, re-read from the DHT when ``force``d or older than ``max_age`` (default: the
-        config's ``update_period``). One read at a time: callers that queue behind it get its result."""
+        """The swarm's spans, re-read from the DHT when ``force``d or older than ``max_age``. Without
+        ``max_age`` (routing), a view exists once read and is kept fresh in the background every
+        ``update_period`` (``_keep_fresh``), so a request never waits on the DHT unless routing failed on the
+        view it has (``force``). One read at a time: callers that queue behind it get its result."""
         if self._update_lock is None:
             self._update_lock = asyncio.Lock()
-        limit = self.config.update_period if max_age is None else max_age
-        async with self._update_lock:
-            if not force and time.monotonic() - self._last_update < limit and self.spans:
+        if not force and self.spans:
+            if max_age is None and self._refresher is not None and not self._refresher.done():
                 return self.spans
+            limit = self.config.update_period if max_age is None else max_age
+            if time.monotonic() - self._last_update < limit:
+                return self.spans
+        read_since = self._last_update
+        async with self._update_lock:
+            if self._last_update != read_since and not force:
+                return self.spans  # read while this caller queued
             records = await asyncio.to_thread(
                 fetch_block_records, self.dht, self.config.dht_prefix, self.config.num_blocks
             )
@@ -280,7 +312,26 @@ class SequenceManager:
             await self.pings.settle(spans, self.bans.banned)
             self.spans = spans
             self._last_update = time.monotonic()
-            return spans
+        if self._refresher is None or self._refresher.done():
+            self._refresher = asyncio.get_running_loop().create_task(self._keep_fresh(), name="swarm view refresh")
+        return spans
+
+    async def _keep_fresh(self) -> None:
+        """Re-read the swarm view every ``update_period`` in the background (Petals does the same), so routing
+        reads a view at most that old without waiting on the DHT. A failed read is retried next period."""
+        period = self.config.update_period
+        next_read = self._last_update + period
+        while True:
+            await asyncio.sleep(max(next_read - time.monotonic(), 0.05))
+            next_read = self._last_update + period  # a forced read may have come in between
+            if time.monotonic() < next_read:
+                continue
+            try:
+                await self.update(max_age=period)
+                next_read = self._last_update + period
+            except Exception as e:  # the DHT is unreachable for now: keep the view, try again later
+                logger.debug("background swarm view refresh failed: %r", e)
+                next_read = time.monotonic() + period
 
     async def _ping(self, peer_id: str, span: RemoteSpanInfo) -> None:
         """Measure ``peer_id``'s RTT, or ban it with the reason (``pings.ping_failure_reason``), naming the
@@ -360,6 +411,9 @@ class SequenceManager:
         A P2P client left open is collected later with a pending connection task, after its loop is gone
         ("Task was destroyed but it is pending", errors raised from hivemind's ``__del__``)."""
         self.pings.cancel()
+        refresher, self._refresher = self._refresher, None
+        if refresher is not None:
+            refresher.get_loop().call_soon_threadsafe(refresher.cancel)
         p2p, self._p2p = self._p2p, None
         bundlers, self._bundlers = list(self._bundlers.values()), {}
         if bundlers:

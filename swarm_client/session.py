@@ -7,6 +7,7 @@ the same span is re-routed (possibly over several servers) and the history repla
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 import uuid
@@ -75,6 +76,8 @@ class InferenceSession:
         self._hops: list[_ServerSession] = []
         self._history: list[HistoryBuffer] = []  # per hop: the inputs sent so far
         self.failovers = 0
+        #: whether the latest step asked the servers to push to each other (``SequenceManager.push_pays``)
+        self.pushing = False
         self.spot_checks = 0
         self.spot_check_failures = 0
         #: optional token ids fed so far, maintained by the model (not by the session)
@@ -160,25 +163,28 @@ class InferenceSession:
             self._group_dealt = True
 
     async def _open_hops(self, hops: list[RouteHop]) -> list[_ServerSession]:
-        """One server session per hop, all or none (the opened ones are closed if one fails)."""
+        """One server session per hop, opened all at once (one round trip for the chain, not one per server);
+        all or none: if one fails, the opened ones are closed and its error raised."""
         self._deal_group(len(hops))
-        opened: list[_ServerSession] = []
         timeout = self.manager.config.connect_timeout
-        try:
-            for hop in hops:
-                session = _ServerSession(
-                    self.manager,
-                    hop,
-                    f"{self.session_id}:{hop.start}:{hop.end}:{uuid.uuid4().hex[:8]}",
-                    self.batch_group,
-                )
-                opened.append(session)
-                await session.open(self.max_length, self.batch_size, resume=False, timeout=timeout)
-                self.manager.bans.report_success(hop.peer_id)
-        except BaseException:
-            await close_all(opened)
-            raise
-        return opened
+        sessions = [
+            _ServerSession(
+                self.manager, hop, f"{self.session_id}:{hop.start}:{hop.end}:{uuid.uuid4().hex[:8]}", self.batch_group
+            )
+            for hop in hops
+        ]
+        results = await asyncio.gather(
+            *(s.open(self.max_length, self.batch_size, resume=False, timeout=timeout) for s in sessions),
+            return_exceptions=True,
+        )
+        errors = [r for r in results if isinstance(r, BaseException)]
+        if errors:
+            await close_all(sessions)
+            # the caller's own mistake first (every server would refuse it), else the first server's failure
+            raise next((e for e in errors if isinstance(e, CALLER_ERRORS)), errors[0])
+        for hop in hops:
+            self.manager.bans.report_success(hop.peer_id)
+        return sessions
 
     @property
     def _cache_tokens(self) -> int:
@@ -197,10 +203,11 @@ class InferenceSession:
         x = hidden
         states: list[torch.Tensor] = []
         push = (
-            self.manager.config.push
-            and not output_hidden_states
+            not output_hidden_states
             and hidden.numel() * hidden.element_size() <= PUSH_MAX_BYTES
+            and self.manager.push_pays(self.route)
         )
+        self.pushing = push
         step_id = uuid.uuid4().hex if push else None
         index = 0
         while index < len(self._hops):
@@ -335,15 +342,13 @@ class InferenceSession:
             for h in state["hops"]
         ]
         try:
-            for hop in hops:
-                held = await hop.open(
-                    session.max_length,
-                    session.batch_size,
-                    resume=True,
-                    timeout=manager.config.connect_timeout,
-                )
-                if held < position:
-                    raise SessionNotFoundError(f"server {hop.hop.peer_id} holds {held} tokens, expected {position}")
+            timeout = manager.config.connect_timeout
+            held = await asyncio.gather(
+                *(hop.open(session.max_length, session.batch_size, resume=True, timeout=timeout) for hop in hops)
+            )  # all at once: one round trip for the chain
+            for hop, tokens in zip(hops, held, strict=True):
+                if tokens < position:
+                    raise SessionNotFoundError(f"server {hop.hop.peer_id} holds {tokens} tokens, expected {position}")
         except BaseException:
             await close_all(hops, keep=True)
             raise
