@@ -12,6 +12,9 @@ NAT: a host behind a router is reached at its router's public address, so a dela
 address in the sender's table (the router stands for its one host). What the NATed host sends is delayed in
 its own namespace, before the router masquerades it; routers themselves delay nothing.
 
+Autocorking is turned off where packets are delayed (see ``_NO_AUTOCORK``): with it, every message a program
+writes in two parts paid one more one-way trip than on a real link (load_tests/results/wan-2026-12-06.md).
+
 Order: per destination, release times never go backwards (a lowered delay waits for what was queued before
 it), so each flow's packets leave in order. One thread: ``select`` on the queue's socket and stdin, with the
 next release as its timeout (no busy-waiting). The lab writes the sender's table as one JSON line on stdin,
@@ -85,6 +88,11 @@ def _probe() -> str | None:
 
 
 _RULE = ("iptables", "-t", "mangle", "-A", "OUTPUT", "!", "-o", "lo", "-j", "NFQUEUE", "--queue-num", QUEUE)
+#: a packet held here is still the sending socket's (its buffer is not freed until it leaves), and Linux TCP
+#: autocorking holds a socket's next small write while its last packet has not left: behind a delay that write
+#: waits the whole delay first, so a message written in two parts costs an extra one-way trip. On a real link the
+#: packet leaves the host at once, so the lab turns autocorking off where it delays (per namespace)
+_NO_AUTOCORK = ("sysctl", "-qw", "net.ipv4.tcp_autocorking=0")
 
 
 # ------------------------------------------------------------------------------------------------ lab side
@@ -144,6 +152,7 @@ class _Delayer:
         self._expect("ready")
         from tests.netlab import _run
 
+        _run(*lab.argv(ns, *_NO_AUTOCORK))
         _run(*lab.argv(ns, *_RULE))
 
     def send(self, table: dict) -> None:
