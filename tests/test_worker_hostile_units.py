@@ -175,3 +175,52 @@ def test_cli_defaults_match_the_modules() -> None:
     assert worker_cli.MAX_UPLOAD_BYTES == uploads.DEFAULT_UPLOAD_BUDGET == HandlerLimits().max_upload_bytes
     # every message our own clients send fits the cap
     assert protocol.MAX_STEP_BYTES * 4 <= message_cap.DEFAULT_MAX_MESSAGE_BYTES
+
+
+def test_early_pushes_are_bounded_and_delivered_only_with_the_session_token(monkeypatch) -> None:
+    """A push that comes before its session opened here is held (worker/early_pushes.py): at most MAX_HELD
+    steps of at most MAX_HELD_BYTES each, for HOLD_SECONDS; delivered when the session opens only if its push
+    token is the one the session was opened with."""
+    from worker import early_pushes
+    from worker.push import ServerPush
+
+    now = [1000.0]
+    monkeypatch.setattr(early_pushes.time, "monotonic", lambda: now[0])
+    handler = ServerPush()
+    handler.early_pushes = early_pushes.EarlyPushes()
+    handler.caches, handler._inboxes = caches(), {}
+    handler.pushes_held = handler.pushes_refused = handler.pushes_dropped = 0
+    handler.limits = HandlerLimits()
+    step = torch.zeros(1, 1, 8)
+
+    def push(session_id: str, step_id: str, token: str | None, tensor: torch.Tensor = step) -> bool:
+        meta = {"session_id": session_id, "step_id": step_id, "position": 0}
+        if token is not None:
+            meta["push_token"] = token
+        return handler.accept_push(protocol.make_request([tensor], **meta), meta)
+
+    good = capabilities.push_token("later")
+    assert push("later", "s1", good) and push("later", "s2", "0" * 64)  # held: nothing to check them against yet
+    assert handler.pushes_held == 2
+    with pytest.raises(SessionAccessError):
+        push("later", "s3", None)  # no token: never held
+    with pytest.raises(SessionAccessError):
+        push("x" * 300, "s4", good)  # an absurd session id: not held
+    big = torch.zeros(1, 1, early_pushes.MAX_HELD_BYTES // 4 + 1)
+    with pytest.raises(SessionAccessError):
+        push("later", "s5", good, big)  # larger than any push a client sends
+    for i in range(early_pushes.MAX_HELD):  # a flood of pushes for sessions that never open: bounded
+        try:
+            push(f"never-{i}", "f", "0" * 64)
+        except SessionAccessError:
+            break
+    assert len(handler.early_pushes) == early_pushes.MAX_HELD
+    with pytest.raises(SessionAccessError):
+        push("another", "f", "0" * 64)
+
+    inbox: asyncio.Queue = asyncio.Queue(8)
+    handler.deliver_early("later", inbox, capabilities.token_digest(good))
+    assert inbox.qsize() == 1 and inbox.get_nowait()[1][1]["step_id"] == "s1"  # the forged one is refused
+    assert handler.pushes_refused == 1
+    now[0] += early_pushes.HOLD_SECONDS + 0.1  # the flood expires
+    assert handler.early_pushes.take("never-0") == [] and len(handler.early_pushes) == 0

@@ -28,6 +28,7 @@ from worker.batcher import StepBatcher
 from worker.bundles import StepBundles
 from worker.cache import CacheManager
 from worker.compute import SpanRunner
+from worker.early_pushes import EarlyPushes
 from worker.forward_backward import ForwardBackward
 from worker.metrics import WorkerMetrics
 from worker.push import PushSender
@@ -76,6 +77,9 @@ class BlockHandler(StepBundles, ForwardBackward, protocol.BlockRPC):
         self.pushes_used = 0
         self.pushes_refused = 0
         self.pushes_dropped = 0
+        #: pushes that came before their session opened here, held until it does (``worker.early_pushes``)
+        self.early_pushes = EarlyPushes()
+        self.pushes_held = 0
 
     async def rpc_info(self, request: runtime_pb2.ExpertUID, context: P2PContext) -> runtime_pb2.ExpertInfo:
         self.caches.expire()
@@ -91,6 +95,7 @@ class BlockHandler(StepBundles, ForwardBackward, protocol.BlockRPC):
             "pushes_used": self.pushes_used,
             "pushes_refused": self.pushes_refused,
             "pushes_dropped": self.pushes_dropped,
+            "pushes_held": self.pushes_held,
             "accepting": self.accepting,
             "uploads_refused": self.uploads.refused,
         }

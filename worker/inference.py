@@ -80,6 +80,7 @@ class InferenceStreams(ServerPush):
             # held before the answer goes out: the client may bundle the session's next step (``rpc_steps``)
             # the moment it reads the answer, and a bundle needs the stream to hold the session
             self._inboxes[cache.session_id] = inbox
+            self.deliver_early(cache.session_id, inbox, cache.push_digest)
             yield protocol.make_response(position=cache.position, session_id=cache.session_id)
             pump = asyncio.create_task(self._pump(requests, inbox))
             recent: deque[str] = deque(maxlen=_REMEMBERED_STEPS)

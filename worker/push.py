@@ -21,12 +21,15 @@ from swarm_client import protocol
 from swarm_client.capabilities import token_matches
 from swarm_client.errors import InvalidInputError, RemoteError, SessionAccessError
 from worker.cache import CacheManager
+from worker.early_pushes import EarlyPushes
 from worker.wire import WireChecks
 
 logger = logging.getLogger(__name__)
 #: streams push messages to a peer until they end (set by the server, which owns the p2p daemon)
 #: a pushed step's id is echoed back to the client: bounded like everything a stranger sends
 MAX_STEP_ID_CHARS = 64
+#: the longest session id a push may be held for before its session opens (the client's are ~60 chars)
+MAX_SESSION_ID_CHARS = 256
 PushSender = Callable[[str, AsyncIterator[runtime_pb2.ExpertRequest]], Awaitable[None]]
 
 
@@ -41,6 +44,8 @@ class ServerPush(WireChecks):
     push_failures: int
     pushes_refused: int
     pushes_dropped: int
+    pushes_held: int
+    early_pushes: EarlyPushes
 
     def holds_stream(self, session_id: str) -> bool:
         """Whether an open inference stream here holds ``session_id`` (pushes and bundles need one)."""
@@ -62,6 +67,8 @@ class ServerPush(WireChecks):
         if not isinstance(step_id, str) or len(step_id) > MAX_STEP_ID_CHARS:
             raise InvalidInputError(f"a pushed step needs a step_id string of at most {MAX_STEP_ID_CHARS} chars")
         inbox = self._inboxes.get(session_id) if isinstance(session_id, str) else None
+        if inbox is None and self._hold_early(request, metadata):
+            return True
         cache = self.caches.sessions.get(session_id) if inbox is not None else None
         if cache is None or not token_matches(metadata.get("push_token"), cache.push_digest):
             raise SessionAccessError(
@@ -75,6 +82,30 @@ class ServerPush(WireChecks):
             self.pushes_dropped += 1
             return False
         return True
+
+    def _hold_early(self, request: runtime_pb2.ExpertRequest, metadata: dict) -> bool:
+        """Hold a push whose session is not open here (yet): its open may be a moment behind (``early_pushes``)."""
+        session_id = metadata.get("session_id")
+        if not isinstance(session_id, str) or len(session_id) > MAX_SESSION_ID_CHARS:
+            return False
+        if not isinstance(metadata.get("push_token"), str) or session_id in self.caches.sessions:
+            return False  # no token to check later, or a session held by no stream here (kept for a resume)
+        self._check_compression_out(metadata)
+        if not self.early_pushes.hold(session_id, self._deserialize(request.tensors, max_count=1), metadata):
+            return False
+        self.pushes_held += 1
+        return True
+
+    def deliver_early(self, session_id: str, inbox: asyncio.Queue, push_digest: bytes | None) -> None:
+        """Queue the pushes held for a session that just opened, if they carry its push token."""
+        for tensors, metadata in self.early_pushes.take(session_id):
+            if not token_matches(metadata.get("push_token"), push_digest):
+                self.pushes_refused += 1
+                continue
+            try:
+                inbox.put_nowait(("push", (tensors, metadata)))
+            except asyncio.QueueFull:
+                self.pushes_dropped += 1
 
     def _push_next(self, out: torch.Tensor, metadata: dict, pushes: dict[str, PushStream]) -> None:
         """Send this step's output straight to the next server of the chain, if the client asked.
