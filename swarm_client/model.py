@@ -64,15 +64,21 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
         model_dir = resolve_model_path(name_or_path)
         config = AutoConfig.from_pretrained(model_dir)
         family = get_family(config)
-        tensors = load_tensors(model_dir, family.head_prefixes(config), dtype=dtype, progress=False)
-        head = family.build_head(config, tensors)
         client_config = ClientConfig(
             initial_peers=parse_initial_peers(initial_peers),
             dht_prefix=dht_prefix or default_dht_prefix(name_or_path),
             num_blocks=config.num_hidden_layers,
             **client_options,
         )
-        model = cls(config, family, head, SequenceManager(client_config, dht=dht))
+        manager = SequenceManager(client_config, dht=dht)
+        manager.start_discovery()  # the swarm is read and its servers pinged while the local weights load
+        try:
+            tensors = load_tensors(model_dir, family.head_prefixes(config), dtype=dtype, progress=False)
+            head = family.build_head(config, tensors)
+        except BaseException:
+            manager.shutdown()
+            raise
+        model = cls(config, family, head, manager)
         try:
             model.generation_config = GenerationConfig.from_pretrained(model_dir)
         except OSError:

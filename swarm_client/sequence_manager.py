@@ -3,18 +3,26 @@
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import logging
 import time
 from collections import Counter
 from collections.abc import Iterable
-from dataclasses import dataclass, field
 
 from hivemind.dht import DHT
 from hivemind.p2p import P2P, PeerID
 from hivemind.proto import runtime_pb2
 
 from swarm_client import protocol, runtime
+from swarm_client.client_config import (  # noqa: F401 - ClientConfig & co. are imported from here too
+    AUTO_GROUPS,
+    AUTO_PUSH,
+    DEFAULT_SPOT_CHECK_RATE,
+    ClientConfig,
+    check_pipeline_groups,
+    parse_peer_ids,
+)
 from swarm_client.dht_records import (
     RemoteSpanInfo,
     fetch_block_records,
@@ -25,124 +33,14 @@ from swarm_client.dht_records import (
 from swarm_client.errors import NoRouteError, PeerError, PeerTimeout, SessionTooLongError
 from swarm_client.pings import Pinger, ping_failure_reason
 from swarm_client.protocol import MAX_PIPELINE_GROUPS
-from swarm_client.routing import CLAIM_CAP_FACTOR, BanList, RouteHop, effective_throughputs, find_route, missing_blocks
+from swarm_client.routing import BanList, RouteHop, effective_throughputs, find_route, missing_blocks
 from swarm_client.step_bundles import StepBundler
 from swarm_client.step_times import StepTimes
 
 logger = logging.getLogger(__name__)
 
-#: default ``ClientConfig.spot_check_rate`` (its cost: load_tests/results/spot-check-cost-2026-12-06.json)
-DEFAULT_SPOT_CHECK_RATE = 0.03
-
 #: joining the DHT may take longer than one request (hivemind's default: its request timeout, 3 s)
 DHT_BOOTSTRAP_TIMEOUT = 3.0
-
-#: ``ClientConfig.pipeline_groups`` value: one group per server of each session's route
-AUTO_GROUPS = "auto"
-#: ``ClientConfig.push`` value: push where the measured RTTs say it pays (``SequenceManager.push_pays``)
-AUTO_PUSH = "auto"
-
-
-def check_pipeline_groups(groups: object) -> int | str:
-    """``groups`` itself if it is a valid ``ClientConfig.pipeline_groups``; a ValueError otherwise."""
-    if groups == AUTO_GROUPS or (
-        isinstance(groups, int) and not isinstance(groups, bool) and 1 <= groups <= MAX_PIPELINE_GROUPS
-    ):
-        return groups  # type: ignore[return-value]
-    raise ValueError(f"pipeline_groups must be an int in [1, {MAX_PIPELINE_GROUPS}] or {AUTO_GROUPS!r}, got {groups!r}")
-
-
-@dataclass
-class ClientConfig:
-    initial_peers: list[str]
-    dht_prefix: str
-    num_blocks: int
-    #: how old the cached swarm view may get before routing re-reads the DHT
-    update_period: float = 5.0
-    #: a single inference step (one server) must answer within this
-    step_timeout: float = 30.0
-    #: opening a stream to a server (dialing a dead peer must not stall a request for long)
-    connect_timeout: float = 5.0
-    #: forward/backward/info calls
-    request_timeout: float = 60.0
-    #: total time a step may spend failing over before SessionLost / NoRouteError
-    failover_deadline: float = 60.0
-    #: a new peer's first ping (its RTT) must answer within this, else the peer is banned as unreachable
-    ping_timeout: float = 3.0
-    #: the client's DHT node deems a DHT request lost after this (hivemind's default, 3 s, is what one dead or
-    #: unreachable DHT peer added to a swarm read; hivemind then skips that peer for a while)
-    dht_wait_timeout: float = 1.0
-    #: route discovery stops waiting for the pings of new peers once those that answered cover the blocks and
-    #: this long passed since the pings started (``pings``: the rest go on in the background) ...
-    ping_grace: float = 0.3
-    #: ... or this many times the fastest answer, if that is less (a LAN swarm: a few ms)
-    ping_grace_factor: float = 3.0
-    #: a step silent for this long triggers a liveness ping of its server (see _ServerSession)
-    probe_after: float = 1.0
-    #: a liveness ping of a silent step's server must answer within this; a busy server computing a long step
-    #: still answers pings at once (its event loop is free: 3.5 ms median, 42 ms max during a 2.5 s prefill), so ...
-    silent_ping_timeout: float = 0.75
-    #: ... this many unanswered liveness pings in a row mean the server is gone (stopped, frozen, cut off), not
-    #: busy: the step fails with ``PeerTimeout`` and failover starts
-    silent_pings: int = 2
-    #: how long opening a span keeps re-reading the DHT while some of its blocks have no usable server (a
-    #: restarting server announces itself again within seconds), before ``NoRouteError``
-    route_wait: float = 10.0
-    #: fraction of inference steps re-run on a second server of the same blocks (where one exists) to catch
-    #: servers returning wrong activations; load_tests/spot_check_cost.py measures what it costs
-    spot_check_rate: float = DEFAULT_SPOT_CHECK_RATE
-    #: relative L2 difference above which a spot-checked server is considered wrong (bfloat16 servers ≈ 1e-2)
-    spot_check_tolerance: float = 5e-2
-    #: how long a step waits for its spot check after the checked server answered; a later check is dropped
-    spot_check_wait: float = 2.0
-    compression: str = "none"
-    #: server-to-server push: each server also sends its output straight to the next server of the chain,
-    #: which starts computing before the client's own copy arrives (that copy still goes, as a fallback).
-    #: "auto": on for a chain of 2+ servers unless every later server is nearer than ``push_min_rtt`` (a LAN or
-    #: one machine, where it saves nothing and costs a message per hop); True / False: always / never
-    push: bool | str = AUTO_PUSH
-    #: under ``push="auto"``: the measured RTT (client to server) from which pushing to a server pays
-    push_min_rtt: float = 0.005
-    #: pipeline groups: sessions are dealt round-robin into this many groups, and a server batches one group's
-    #: steps at a time, so consecutive servers of a chain compute different groups at once instead of each
-    #: idling while the other computes the one big batch (1: no groups, every session batches with every other;
-    #: "auto": as many groups as the session's route has servers, decided when its chain is first routed)
-    pipeline_groups: int | str = 1
-    #: bundled steps: the steps of all sessions bound for one server in the same few event-loop iterations
-    #: travel as one message each way (``swarm_client.step_bundles``), where the server announces the feature
-    step_bundles: bool = False
-    ban_base: float = 1.0
-    ban_max: float = 60.0
-    #: a server that answered "busy" (full, not faulty) is avoided by routing for this long — never banned
-    busy_mark: float = 2.0
-    #: how long opening a span keeps retrying while every server of it is busy, before ``SwarmBusyError``
-    #: (the gateway queues the request itself; a library caller may wait longer)
-    busy_wait: float = 3.0
-    #: trust policy: peer ids allowed to serve the first and the last block (their activations are closest to
-    #: the text); empty: any server may. A list, or one comma-separated string
-    trusted_peers: list[str] = field(default_factory=list)
-    #: an announced throughput counts for at most this many times the median claim (``routing``)
-    throughput_cap_factor: float = CLAIM_CAP_FACTOR
-    extra: dict = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        self.trusted_peers = parse_peer_ids(self.trusted_peers)
-        if self.push not in (True, False, AUTO_PUSH):
-            raise ValueError(f"push must be True, False or {AUTO_PUSH!r}, got {self.push!r}")
-
-
-def parse_peer_ids(value: str | list[str] | tuple[str, ...] | None) -> list[str]:
-    """Peer ids from a list and/or comma- or space-separated strings, duplicates dropped, order kept."""
-    if value is None:
-        return []
-    items = [value] if isinstance(value, str) else list(value)
-    ids: list[str] = []
-    for item in items:
-        for part in str(item).replace(",", " ").split():
-            if part not in ids:
-                ids.append(part)
-    return ids
-
 
 #: steps of at most this many tokens per row are timed for ``StepTimes`` (decode steps: comparable with the
 #: decode-step throughput servers announce; a prefill's time says little about a server's decode speed)
@@ -180,6 +78,7 @@ class SequenceManager:
         self._last_update = 0.0
         self._p2p: P2P | None = None
         self._update_lock: asyncio.Lock | None = None
+        self._repings: set[asyncio.Task] = set()  # second pings, on the connection the first one opened
         #: the background task keeping ``spans`` fresh (``_keep_fresh``), started by the first read
         self._refresher: asyncio.Task | None = None
         self._sessions_dealt = 0
@@ -316,6 +215,17 @@ class SequenceManager:
             self._refresher = asyncio.get_running_loop().create_task(self._keep_fresh(), name="swarm view refresh")
         return spans
 
+    def start_discovery(self) -> None:
+        """Read the swarm view and ping its servers in the background, now: the first request then finds them
+        measured (``from_pretrained`` calls this before loading the local weights). A failure is only logged:
+        that request reads the DHT itself and gets the error."""
+
+        def done(future: concurrent.futures.Future) -> None:
+            if not future.cancelled() and future.exception() is not None:
+                logger.debug("background swarm discovery failed: %r", future.exception())
+
+        asyncio.run_coroutine_threadsafe(self.update(), runtime.get_loop()).add_done_callback(done)
+
     async def _keep_fresh(self) -> None:
         """Re-read the swarm view every ``update_period`` in the background (Petals does the same), so routing
         reads a view at most that old without waiting on the DHT. A failed read is retried next period."""
@@ -342,7 +252,19 @@ class SequenceManager:
         except PeerError as e:
             self.ban(peer_id, ping_failure_reason(e, self.config.ping_timeout, span.server_info.addrs))
             return
-        self.rtt.setdefault(peer_id, time.perf_counter() - t0)  # a figure set meanwhile (tests) stands
+        first = self.rtt.setdefault(peer_id, time.perf_counter() - t0)  # a figure set meanwhile (tests) stands
+        # that ping also dialed the peer (TCP and security handshakes: 2-3 round trips): a second one, on the open
+        # connection, measures the RTT itself (what ``push_pays`` weighs), in the background (routing goes on)
+        task = asyncio.get_running_loop().create_task(self._ping_again(peer_id, first), name=f"re-ping {peer_id}")
+        self._repings.add(task)
+        task.add_done_callback(self._repings.discard)
+
+    async def _ping_again(self, peer_id: str, first: float) -> None:
+        with contextlib.suppress(PeerError):
+            t0 = time.perf_counter()
+            await self.info(peer_id, timeout=self.config.ping_timeout)
+            if self.rtt.get(peer_id) == first:
+                self.rtt[peer_id] = min(first, time.perf_counter() - t0)
 
     def _route_now(
         self, spans: dict[str, RemoteSpanInfo], start: int, end: int, cache_tokens: int, avoid: Iterable[str] = ()

@@ -39,6 +39,8 @@ class _ServerSession:
         self._reader: asyncio.Task | None = None
         self.closed = False
         self._counted = False  # in ``manager.sessions_on`` while open
+        #: the open's answer is still to be read (``open(wait=False)``): the next step reads it first
+        self._open_pending = False
         #: how the previous server of a chain pushes steps into this session (``protocol``, rpc_push)
         self.push_target = {
             "peer_id": hop.peer_id,
@@ -110,9 +112,17 @@ class _ServerSession:
 
     async def _exchange(self, request, timeout: float, step_id: str | None = None) -> tuple[list[torch.Tensor], dict]:
         """Send ``request`` and return its answer. With ``step_id``, answers to other steps (a pushed copy
-        of a step the client later redid elsewhere) are skipped."""
+        of a step the client later redid elsewhere) are skipped. After an ``open(wait=False)``, the open's
+        answer is read first (its error, if any, is this call's)."""
         self._queue.put_nowait(request)
+        if self._open_pending:
+            await self._open_answer(timeout)
         return await self._answer(timeout, step_id)
+
+    async def _open_answer(self, timeout: float) -> None:
+        self._open_pending = False
+        _, metadata = await self._answer(timeout)
+        self.position = int(metadata.get("position", 0))
 
     async def _answer(self, timeout: float, step_id: str | None = None) -> tuple[list[torch.Tensor], dict]:
         """The answer to the step in flight, from this stream or from a step bundle (``step_bundles``)."""
@@ -136,7 +146,10 @@ class _ServerSession:
             raise error_from_wire(metadata["error"], peer_id=self.hop.peer_id)
         return [protocol.deserialize(t) for t in serialized], metadata
 
-    async def open(self, max_length: int, batch_size: int, resume: bool, timeout: float) -> int:
+    async def open(self, max_length: int, batch_size: int, resume: bool, timeout: float, wait: bool = True) -> int:
+        """Open (or resume) the session on the server; returns the tokens it holds. Without ``wait`` the open
+        is only sent: the first step goes right behind it on the stream (open and prefill in one round trip)
+        and reads its answer first, so a refusal surfaces there."""
         stub = await self.manager.stub(self.hop.peer_id)
         try:
             self._responses = await asyncio.wait_for(stub.rpc_inference(self._requests()), timeout)
@@ -153,8 +166,10 @@ class _ServerSession:
             "start_block": self.hop.start,
             "end_block": self.hop.end,
         }
-        _, metadata = await self._exchange(protocol.make_request(open=spec), timeout)
-        self.position = int(metadata.get("position", 0))
+        self._queue.put_nowait(protocol.make_request(open=spec))
+        self._open_pending = True
+        if wait:
+            await self._open_answer(timeout)
         if not self._counted:  # routing's view of this client's load on the server
             self._counted = True
             self.manager.sessions_on[self.hop.peer_id] += 1
@@ -184,7 +199,7 @@ class _ServerSession:
             extra["batch_group"] = self.batch_group
         compression = self.manager.config.compression
         bundler = None
-        if step_id is None and hidden.numel() * hidden.element_size() <= BUNDLE_MAX_BYTES:
+        if step_id is None and not self._open_pending and hidden.numel() * hidden.element_size() <= BUNDLE_MAX_BYTES:
             bundler = self.manager.step_bundler(self.hop.peer_id)
         if bundler is not None:  # one message with the other sessions' steps to this server
             step = {"session_id": self.session_id, "position": position, **extra}

@@ -8,6 +8,7 @@ the same span is re-routed (possibly over several servers) and the history repla
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 import uuid
@@ -23,6 +24,7 @@ from swarm_client.errors import (
     RemoteError,
     SessionLost,
     SessionNotFoundError,
+    SessionTooLongError,
 )
 from swarm_client.failover import (
     CALLER_ERRORS,
@@ -138,8 +140,8 @@ class InferenceSession:
             raise LengthExceededError(
                 f"{position} cached + {length} new tokens exceed the session's max_length {self.max_length}"
             )
-        if not self._hops:
-            await self._build_chain(0, self.start, self.end)
+        if not self._hops:  # opened here, the opens travel with the first step: one round trip, not two
+            await self._build_chain(0, self.start, self.end, wait=False)
         chunk = max(
             1,
             min(
@@ -162,9 +164,10 @@ class InferenceSession:
             self.batch_group = self.manager.next_batch_group(chain_length)
             self._group_dealt = True
 
-    async def _open_hops(self, hops: list[RouteHop]) -> list[_ServerSession]:
+    async def _open_hops(self, hops: list[RouteHop], wait: bool = True) -> list[_ServerSession]:
         """One server session per hop, opened all at once (one round trip for the chain, not one per server);
-        all or none: if one fails, the opened ones are closed and its error raised."""
+        all or none: if one fails, the opened ones are closed and its error raised. Without ``wait``, the
+        opens are only sent and the first step follows them at once (``_ServerSession.open``)."""
         self._deal_group(len(hops))
         timeout = self.manager.config.connect_timeout
         sessions = [
@@ -174,7 +177,7 @@ class InferenceSession:
             for hop in hops
         ]
         results = await asyncio.gather(
-            *(s.open(self.max_length, self.batch_size, resume=False, timeout=timeout) for s in sessions),
+            *(s.open(self.max_length, self.batch_size, resume=False, timeout=timeout, wait=wait) for s in sessions),
             return_exceptions=True,
         )
         errors = [r for r in results if isinstance(r, BaseException)]
@@ -191,9 +194,11 @@ class InferenceSession:
         """Cache tokens each server of the chain must hold for this session."""
         return self.max_length * self.batch_size
 
-    async def _build_chain(self, index: int, start: int, end: int) -> None:
-        """Route ``[start, end)`` and open streams there (see ``failover.open_span``)."""
-        sessions = await open_span(self.manager, start, end, self._cache_tokens, self._open_hops)
+    async def _build_chain(self, index: int, start: int, end: int, wait: bool = True) -> None:
+        """Route ``[start, end)`` and open streams there (see ``failover.open_span``); without ``wait``, the
+        opens' answers are read with the first step's (a refusal then fails over from that step)."""
+        open_hops = self._open_hops if wait else functools.partial(self._open_hops, wait=False)
+        sessions = await open_span(self.manager, start, end, self._cache_tokens, open_hops)
         self._hops[index:index] = sessions
         self._history[index:index] = [HistoryBuffer() for _ in sessions]
 
@@ -234,8 +239,12 @@ class InferenceSession:
             except CALLER_ERRORS:
                 raise
             except (PeerError, RemoteError) as e:
-                if isinstance(e, SessionNotFoundError | CacheExhaustedError | PeerError) or type(e) is RemoteError:
-                    if isinstance(e, CacheExhaustedError):  # full, not faulty: with every server of the span
+                if (
+                    isinstance(e, SessionNotFoundError | CacheExhaustedError | SessionTooLongError | PeerError)
+                    or type(e) is RemoteError
+                ):
+                    if isinstance(e, CacheExhaustedError | SessionTooLongError):  # full, not faulty: with every
+                        # server of the span full (or too small: a refused open sent with the first step), wait
                         # full, wait for room (``busy_wait`` at most, then SwarmBusyError) rather than re-open on
                         # the full server and fail the same step again, until the failover deadline
                         await wait_for_room(self.manager, e, hop.hop.start, hop.hop.end, busy_deadline)
@@ -268,7 +277,7 @@ class InferenceSession:
     async def _replace_hop(self, index: int, position: int, error: Exception, deadline: float) -> None:
         """Ban the failed server, route its span anew, replay the span's history into the replacement."""
         failed = self._hops[index]
-        if isinstance(error, CacheExhaustedError):  # full, not faulty: move the session, ban nobody
+        if isinstance(error, CacheExhaustedError | SessionTooLongError):  # full, not faulty: move it, ban nobody
             self.manager.mark_busy(failed.hop.peer_id, str(error))
         else:
             self.manager.ban(failed.hop.peer_id, str(error))

@@ -8,7 +8,7 @@ import torch
 
 from swarm_client import AutoDistributedModelForCausalLM, runtime
 from tests.swarm_fixtures import Swarm
-from tests.test_failover import NEW_TOKENS, PROMPT, greedy_with_hook, reference, worker_by_peer  # noqa: F401
+from tests.test_failover import NEW_TOKENS, PROMPT, greedy_with_hook, prefer, reference, worker_by_peer  # noqa: F401
 
 pytestmark = pytest.mark.slow
 
@@ -98,7 +98,7 @@ def test_wrong_pushed_activations_are_caught_and_replaced(tiny_llama, reference)
         model = pushing_model(tiny_llama, s, spot_check_rate=1.0)
         try:
             runtime.run(model.manager.update(force=True))
-            model.manager.rtt[bad.peer_id] = 0.0
+            prefer(model, bad.peer_id)
             tokens, session = greedy_with_hook(model, lambda step, session: None)
             assert tokens == reference
             assert session.spot_check_failures == 1
