@@ -52,6 +52,13 @@ def add_client_flags(p: argparse.ArgumentParser) -> None:
         "supports it (measured neutral to +30 %% on one machine; default: one stream per session)",
     )
     p.add_argument(
+        "--push",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="server-to-server push: each server sends its output straight on to the next (default auto: where "
+        "the measured RTT to a later server of the chain is 5 ms or more; the x-swarm-push header says which)",
+    )
+    p.add_argument(
         "--trusted-peers",
         default=None,
         metavar="PEER,PEER",
@@ -68,7 +75,8 @@ def trust_settings(args: argparse.Namespace) -> dict[str, Any]:
 
 def client_options(args: argparse.Namespace, settings: Any = None) -> dict[str, Any]:
     """``ClientConfig`` options from the flags, and the trust policy of ``settings`` (flag, env or default)."""
-    options = {"pipeline_groups": args.pipeline_groups, "step_bundles": args.step_bundles}
+    push = {"auto": "auto", "on": True, "off": False}[getattr(args, "push", "auto")]
+    options = {"pipeline_groups": args.pipeline_groups, "step_bundles": args.step_bundles, "push": push}
     if settings is not None and settings.trusted_peers:
         options["trusted_peers"] = list(settings.trusted_peers)
     return options
