@@ -173,12 +173,13 @@ def references(model: str, new_tokens: int) -> list[list[int]]:
         ]
 
 
-def run_client(lab: NetLab, client_ns: str, args: list[str], timeout: float) -> dict:
-    """``CLIENT`` in the client host (output to a file: its p2p daemon may outlive it, a pipe would not end)."""
+def run_script(lab: NetLab, ns: str, command: list[str], timeout: float, env: dict) -> dict:
+    """``command`` in ``ns``; its last ``RESULT <json>`` line, or an error with the output's tail (output to a
+    file: a client's p2p daemon may outlive it, and a pipe would not end)."""
     with tempfile.TemporaryFile("w+") as out:
         try:
-            argv = lab.argv(client_ns, sys.executable, "-c", CLIENT, *args)
-            done = subprocess.run(argv, stdout=out, stderr=subprocess.STDOUT, text=True, timeout=timeout, env=ENV)
+            argv = lab.argv(ns, *command)
+            done = subprocess.run(argv, stdout=out, stderr=subprocess.STDOUT, text=True, timeout=timeout, env=env)
             rc: int | str = done.returncode
         except subprocess.TimeoutExpired:
             rc = "timeout"
@@ -230,12 +231,13 @@ def run_scenario(name: str, model: str, settings: list[str], args: argparse.Name
         time.sleep(2)
         client_args = [json.dumps(PROMPTS), str(args.new_tokens), str(args.streams)]
         # one run first, not counted: the workers' first steps (allocations, lazy init) are slow on any network
-        out["warmup"] = run_client(lab, ns["client"], [model, maddr, json.dumps(PUSH["off"]), *client_args], 600)
+        client = [sys.executable, "-c", CLIENT, model, maddr]
+        out["warmup"] = run_script(lab, ns["client"], [*client, json.dumps(PUSH["off"]), *client_args], 600, ENV)
         counters: dict[str, dict] = out["warmup"].get("counters", {})
         for rep in range(args.reps):
             for setting in settings:
                 t0 = time.monotonic()
-                run = run_client(lab, ns["client"], [model, maddr, json.dumps(PUSH[setting]), *client_args], 600)
+                run = run_script(lab, ns["client"], [*client, json.dumps(PUSH[setting]), *client_args], 600, ENV)
                 run["derived"] = derive(run, refs, counters)
                 run["wall_s"] = round(time.monotonic() - t0, 1)
                 counters = run.get("counters", counters)

@@ -45,7 +45,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from load_tests.bench_wan import HOSTS, PROMPTS, SCENARIOS, SERVERS, SPANS, floors, git
+from load_tests.bench_wan import HOSTS, PROMPTS, SCENARIOS, SERVERS, SPANS, floors, git, run_script
 from swarm_client.tiny_model import make_tiny_model
 from tests.netlab import NetLab, unavailable, unavailable_delays
 
@@ -154,19 +154,7 @@ class Proc:
 
 
 def run_client(lab: NetLab, ns: str, args: argparse.Namespace, client_args: list[str]) -> dict:
-    with tempfile.TemporaryFile("w+") as out:
-        try:
-            argv = lab.argv(ns, args.petals_python, "-c", CLIENT, *client_args)
-            done = subprocess.run(argv, stdout=out, stderr=subprocess.STDOUT, text=True, timeout=600, env=ENV)
-            rc: int | str = done.returncode
-        except subprocess.TimeoutExpired:
-            rc = "timeout"
-        out.seek(0)
-        text = out.read()
-    lines = [line for line in text.splitlines() if line.startswith("RESULT ")]
-    if not lines:
-        return {"error": f"no RESULT line (exit {rc})", "output_tail": text[-3000:]}
-    return json.loads(lines[-1].removeprefix("RESULT "))
+    return run_script(lab, ns, [args.petals_python, "-c", CLIENT, *client_args], 600, ENV)
 
 
 def derive(run: dict) -> dict:
