@@ -72,7 +72,8 @@ class ClientConfig:
     #: server-to-server push: each server also sends its output straight to the next server of the chain,
     #: which starts computing before the client's own copy arrives (that copy still goes, as a fallback).
     #: "auto": on for a chain of 2+ servers unless every later server is nearer than ``push_min_rtt`` (a LAN or
-    #: one machine, where it saves nothing and costs a message per hop); True / False: always / never
+    #: one machine, where it saves nothing and costs a message per hop) or ``step_bundles`` is on (a pushed step
+    #: cannot travel in a bundle); True / False: always / never
     push: bool | str = AUTO_PUSH
     #: under ``push="auto"``: the measured RTT (client to server) from which pushing to a server pays
     push_min_rtt: float = 0.005

@@ -145,11 +145,15 @@ class SequenceManager:
         servers' own one-way trip, and costs a message per hop; so it is on where some later server is at least
         ``push_min_rtt`` away (a server not measured yet counts as far: a swarm is usually spread over the
         internet) and off where every one is near (one machine, a LAN). A single server has nobody to push to.
+        A client that bundles steps (``step_bundles``) does not push under "auto": a pushed step cannot travel
+        in a bundle, and bundles were asked for.
         """
         if len(route) < 2 or not self.config.push:
             return False
         if self.config.push is True:
             return True
+        if self.config.step_bundles:  # asked for bundles: a pushed step travels alone, so "auto" leaves them be
+            return False
         return any(self.rtt.get(hop.peer_id, float("inf")) >= self.config.push_min_rtt for hop in route[1:])
 
     def step_bundler(self, peer_id: str) -> StepBundler | None:
