@@ -30,7 +30,7 @@ class ClientConfig:
     initial_peers: list[str]
     dht_prefix: str
     num_blocks: int
-    #: how old the cached swarm view may get before routing re-reads the DHT
+    #: how often the swarm view is re-read from the DHT in the background (routing never waits on that read)
     update_period: float = 5.0
     #: a single inference step (one server) must answer within this
     step_timeout: float = 30.0
