@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from swarm_client.precision import check_min_precision
 from swarm_client.protocol import MAX_PIPELINE_GROUPS
 from swarm_client.routing import CLAIM_CAP_FACTOR
 
@@ -97,10 +98,14 @@ class ClientConfig:
     trusted_peers: list[str] = field(default_factory=list)
     #: an announced throughput counts for at most this many times the median claim (``routing``)
     throughput_cap_factor: float = CLAIM_CAP_FACTOR
+    #: the least precise server weights a route may use (``swarm_client.precision``): "full" (no quantized
+    #: server), "int8", "nf4" or "any" (also quantizations newer than this client)
+    min_precision: str = "any"
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.trusted_peers = parse_peer_ids(self.trusted_peers)
+        check_min_precision(self.min_precision)
         if self.push not in (True, False, AUTO_PUSH):
             raise ValueError(f"push must be True, False or {AUTO_PUSH!r}, got {self.push!r}")
 

@@ -35,6 +35,8 @@ from hivemind.proto import crypto_pb2
 from hivemind.utils.crypto import RSAPrivateKey
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from swarm_client.precision import Quant
+
 PROTOCOL_VERSION = "1"
 #: blocks covered by the schema of a node that knows the model's prefix but not its depth (bootstrap)
 MAX_SCHEMA_BLOCKS = 256
@@ -83,6 +85,9 @@ class ServerInfo(BaseModel):
     features: tuple[str, ...] = ()
     #: how peers reach the server, as its start-up check found (``Reachability``); None: not checked / older
     reachability: Reachability | None = None
+    #: weight quantization of the server's blocks (``swarm_client.precision.Quant``; a value this version does
+    #: not know is kept as said, and ranks below every known one)
+    quant: str = Field(default=Quant.NONE.value, max_length=16)
 
     @field_validator("reachability", mode="before")
     @classmethod
@@ -203,6 +208,7 @@ class _WireRecord(pv1.BaseModel):
     dtype: pv1.StrictStr
     public_name: Optional[pv1.StrictStr]  # noqa: UP045
     addrs: List[pv1.StrictStr]  # noqa: UP006
+    quant: Optional[pv1.constr(strict=True, max_length=16)] = None  # type: ignore[valid-type]  # noqa: UP045
 
     class Config:
         extra = pv1.Extra.allow

@@ -32,6 +32,7 @@ from swarm_client.dht_records import (
 )
 from swarm_client.errors import NoRouteError, PeerError, PeerTimeout, SessionTooLongError
 from swarm_client.pings import Pinger, ping_failure_reason
+from swarm_client.precision import accepts
 from swarm_client.protocol import MAX_PIPELINE_GROUPS
 from swarm_client.routing import BanList, RouteHop, effective_throughputs, find_route, missing_blocks
 from swarm_client.step_bundles import StepBundler
@@ -112,13 +113,24 @@ class SequenceManager:
     def route_options(self, spans: dict[str, RemoteSpanInfo] | None = None, exclude: Iterable[str] = ()) -> dict:
         """``find_route`` keywords every route of this client uses: RTTs, bans (and ``exclude``d peers),
         believed throughputs and the trust policy (so replacements and spot checkers honour it too)."""
+        spans = self.spans if spans is None else spans
+        too_coarse = self.below_min_precision(spans)
         return {
             "rtt": self.rtt,
-            "banned": self.bans.banned() | set(exclude),
-            "why": self.bans.reasons(),
+            "banned": self.bans.banned() | set(exclude) | set(too_coarse),
+            "why": {**self.bans.reasons(), **too_coarse},
             "throughput": self.effective_throughputs(spans),
             "trusted": self.config.trusted_peers,
             "num_blocks": self.config.num_blocks,
+        }
+
+    def below_min_precision(self, spans: dict[str, RemoteSpanInfo]) -> dict[str, str]:
+        """Servers among ``spans`` whose quantization ``config.min_precision`` rejects, with the reason."""
+        wanted = self.config.min_precision
+        return {
+            peer: f"it serves {span.server_info.quant} weights and this client asks min_precision={wanted!r}"
+            for peer, span in spans.items()
+            if not accepts(wanted, span.server_info.quant)
         }
 
     @property
