@@ -237,9 +237,14 @@ def start_spot_check(
     # only peers that answered their last ping: one banned for going silent has its RTT dropped, and a step
     # would wait ``spot_check_wait`` for a frozen checker each time its ban ran out
     unmeasured = [peer for peer in manager.spans if peer not in manager.rtt]
+    # a checker with other weights (int8 vs full precision) differs by more than rounding: only like is
+    # compared with like, or an honest server would be banned for its neighbour's quantization
+    checked = manager.spans.get(hop.peer_id)
+    quant = checked.server_info.quant if checked is not None else None
+    unlike = [peer for peer, span in manager.spans.items() if span.server_info.quant != quant]
     try:
         # the checker sees the hop's inputs: the trust policy applies to it as to the hop itself
-        options = manager.route_options(exclude=[hop.peer_id, *unmeasured])
+        options = manager.route_options(exclude=[hop.peer_id, *unmeasured, *unlike])
         checkers = find_route(manager.spans, hop.start, hop.end, **options)
     except NoRouteError:
         return None  # nobody else holds these blocks: nothing to compare with

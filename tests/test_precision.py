@@ -84,3 +84,27 @@ def test_records_carry_the_quantization_and_tolerate_unknown_ones():
     newer = {**wire, "quant": "fp3"}  # a newer server's quantization reads as itself, below every known one
     assert ServerInfo.from_wire(newer).quant == "fp3"
     assert ServerInfo.from_wire({**wire, "quant": "x" * 100}) is None  # bounded like every record field
+
+
+def test_spot_checkers_compute_with_the_same_weights():
+    """An int8 server checked by a full-precision one would differ by its quantization error, not by a fault:
+    checkers are drawn among servers announcing the same quantization only."""
+    import asyncio
+
+    import torch
+
+    from swarm_client.failover import start_spot_check
+    from swarm_client.history import HistoryBuffer
+
+    async def checkers(manager: SequenceManager, hop: RouteHop) -> list[str] | None:
+        check = start_spot_check(manager, hop, HistoryBuffer(), torch.zeros(1, 1, 8), 0)
+        if check is None:
+            return None
+        check.cancel()
+        return [c.peer_id for c in check.checkers]
+
+    spans = (span("Q8a", 0, 4, "int8"), span("Q8b", 0, 4, "int8"), span("F", 0, 4), span("N4", 0, 4, "nf4"))
+    manager = manager_over(*spans, spot_check_rate=1.0)
+    assert asyncio.run(checkers(manager, RouteHop("Q8a", 0, 4))) == ["Q8b"]
+    assert asyncio.run(checkers(manager, RouteHop("F", 0, 4))) is None  # nobody else at full precision
+    assert asyncio.run(checkers(manager, RouteHop("N4", 1, 3))) is None
