@@ -165,6 +165,10 @@ def _concurrent(gw: Gateway, n: int) -> list[tuple[httpx.Response, float]]:
     return results
 
 
+def _slow_answer(reason: str) -> bool:
+    return "did not answer within" in reason or "timed out" in reason
+
+
 @pytest.fixture(scope="module", params=["--max-sessions", "--max-sessions-per-peer"])
 def two_servers(request: pytest.FixtureRequest, tiny_llama: str) -> Iterator[Any]:
     """Two servers of the whole model, one that holds at most 2 sessions (in all, or of one client peer:
@@ -186,7 +190,10 @@ def test_overflow_lands_on_the_server_with_room(two_servers: Any, tiny_llama: st
         with httpx.Client(base_url=gw.url, timeout=60) as http:
             after = http.post("/v1/chat/completions", json=_body(gw))
         assert after.status_code == 200 and time.monotonic() - t0 < 5.0  # no ban outlives the congestion
-        assert not gw.backend.manager.bans.banned()
+        # a full server is routed around, never banned; an open slower than connect_timeout on a loaded
+        # 2-core machine (eight sessions, two servers) is a real timeout, not what this test is about
+        faults = {p: r for p, r in gw.backend.manager.bans.reasons().items() if not _slow_answer(r)}
+        assert not faults
 
 
 @pytest.mark.slow
