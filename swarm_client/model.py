@@ -24,6 +24,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 from swarm_client.config import default_dht_prefix, parse_initial_peers
 from swarm_client.errors import InvalidInputError
 from swarm_client.families import Family, get_family
+from swarm_client.local_span import DEFAULT_CACHE_TOKENS, LocalSpan, parse_local_blocks
 from swarm_client.model_source import resolve_model_path
 from swarm_client.remote_sequential import RemoteSequential
 from swarm_client.sequence_manager import ClientConfig, SequenceManager
@@ -59,11 +60,18 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
         dht_prefix: str | None = None,
         dtype: torch.dtype = torch.float32,
         dht=None,
+        local_blocks: str | tuple[int, int] | None = None,
+        device: str | torch.device = "cpu",
+        local_cache_tokens: int = DEFAULT_CACHE_TOKENS,
+        serve_local: bool = False,
         **client_options,
     ) -> DistributedModelForCausalLM:
         model_dir = resolve_model_path(name_or_path)
         config = AutoConfig.from_pretrained(model_dir)
         family = get_family(config)
+        local = parse_local_blocks(local_blocks, config.num_hidden_layers)
+        if serve_local:
+            raise NotImplementedError("serve_local (announcing the local blocks to the swarm) is not built yet")
         client_config = ClientConfig(
             initial_peers=parse_initial_peers(initial_peers),
             dht_prefix=dht_prefix or default_dht_prefix(name_or_path),
@@ -75,6 +83,10 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
         try:
             tensors = load_tensors(model_dir, family.head_prefixes(config), dtype=dtype, progress=False)
             head = family.build_head(config, tensors)
+            if local is not None:  # only these blocks' tensors are read; they run on ``device``
+                manager.local = LocalSpan.load(
+                    model_dir, config, family, *local, dtype=dtype, device=device, max_cache_tokens=local_cache_tokens
+                )
         except BaseException:
             manager.shutdown()
             raise
@@ -247,7 +259,11 @@ class AutoDistributedModelForCausalLM:
 
     @staticmethod
     def from_pretrained(name_or_path: str, initial_peers: list[str] | str, **kwargs) -> DistributedModelForCausalLM:
-        """Load the local head of ``name_or_path`` and join the swarm at ``initial_peers``; other keywords are
-        ``ClientConfig`` options, e.g. ``trusted_peers=[peer ids]`` (the only servers allowed to run the first
-        and the last block) or ``spot_check_rate=0`` (no spot checks)."""
+        """Load the local head of ``name_or_path`` and join the swarm at ``initial_peers``.
+
+        ``local_blocks="a:b"`` (or ``(a, b)``) also loads blocks ``[a, b)`` here, on ``device`` in ``dtype``: they
+        run in place as a zero-latency hop of every route (``local_span``), within a KV-cache budget of
+        ``local_cache_tokens``; the servers run the rest. Other keywords are ``ClientConfig`` options, e.g.
+        ``trusted_peers=[peer ids]`` (the only servers allowed to run the first and the last block) or
+        ``spot_check_rate=0`` (no spot checks)."""
         return DistributedModelForCausalLM.from_pretrained(name_or_path, initial_peers, **kwargs)

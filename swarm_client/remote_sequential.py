@@ -28,7 +28,7 @@ from swarm_client.errors import (
     RemoteError,
     error_from_wire,
 )
-from swarm_client.routing import RouteHop
+from swarm_client.routing import LOCAL_PEER, RouteHop
 from swarm_client.sequence_manager import SequenceManager
 from swarm_client.session import CALLER_ERRORS, InferenceSession
 
@@ -101,9 +101,16 @@ async def _run_span(
             await asyncio.sleep(0.5)
             continue
         for hop in hops:
-            dtype = _wire_dtype(manager, hop.peer_id)
+            local = manager.local if hop.peer_id == LOCAL_PEER else None
+            dtype = None if local is not None else _wire_dtype(manager, hop.peer_id)
             x = _to_wire(x, dtype)
             hop_prompts = _to_wire(None if prompts is None else prompts[hop.start - start : hop.end - start], dtype)
+            if local is not None:  # the client's own blocks (``local_span``): in place, they never fail over
+                out = await local.run(local.forward, x, output_hidden_states, hop.start, hop.end, hop_prompts)
+                trace.append((hop, x, hop_prompts))
+                states.extend(out.unbind(0) if output_hidden_states else ())
+                x, position = (out[-1] if output_hidden_states else out), hop.end
+                continue
             try:
                 t0 = time.perf_counter()
                 outputs = await _call_stream(
@@ -152,6 +159,13 @@ async def _backward_trace(
     prompt_grads: list[PromptGrad] = []
     for hop, inputs, prompts in reversed(trace):
         grad = _to_wire(grad, inputs.dtype)
+        if hop.peer_id == LOCAL_PEER:
+            local = manager.local
+            grads = await local.run(local.backward, inputs, grad, hop.start, hop.end, prompts)
+            if prompts is not None:
+                prompt_grads.append((hop.start, hop.end, grads[1]))
+            grad = grads[0]
+            continue
         try:
             grads = await _call_stream(
                 manager,

@@ -27,6 +27,7 @@ from swarm_client.route_explain import format_blocks, no_route_error
 __all__ = [
     "CACHE_PENALTY",
     "CLAIM_CAP_FACTOR",
+    "LOCAL_PEER",
     "BanList",
     "RouteHop",
     "coverage",
@@ -41,6 +42,9 @@ CACHE_PENALTY = 1000.0
 
 CLAIM_CAP_FACTOR = 4.0
 """An announced throughput counts for at most this many times the median claim of the ONLINE servers."""
+
+LOCAL_PEER = "local"
+"""The pseudo peer of the blocks a client holds itself (``local_span``): a hop of its routes, never a server."""
 
 _MIN_THROUGHPUT = 1e-6  # a server announcing 0 tokens/s is usable, but only when nothing else is
 _COST_DIGITS = 9  # costs equal to this many digits count as a tie (float sums of the same terms differ)

@@ -9,6 +9,7 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 from hivemind.dht import DHT
 from hivemind.p2p import P2P, PeerID
@@ -34,9 +35,12 @@ from swarm_client.errors import NoRouteError, PeerError, PeerTimeout, SessionToo
 from swarm_client.pings import Pinger, ping_failure_reason
 from swarm_client.precision import accepts
 from swarm_client.protocol import MAX_PIPELINE_GROUPS
-from swarm_client.routing import BanList, RouteHop, effective_throughputs, find_route, missing_blocks
+from swarm_client.routing import LOCAL_PEER, BanList, RouteHop, effective_throughputs, find_route, missing_blocks
 from swarm_client.step_bundles import StepBundler
 from swarm_client.step_times import StepTimes
+
+if TYPE_CHECKING:
+    from swarm_client.local_span import LocalSpan
 
 logger = logging.getLogger(__name__)
 
@@ -90,6 +94,8 @@ class SequenceManager:
         self.sessions_on: Counter[str] = Counter()
         #: seconds per block of this client's own decode steps, per peer (routing believes these over claims)
         self.step_times = StepTimes()
+        #: blocks this client runs itself (``local_span``): one hop of every route that crosses them
+        self.local: LocalSpan | None = None
 
     @property
     def trusted_peers(self) -> list[str]:
@@ -99,7 +105,7 @@ class SequenceManager:
         """A step of ``tokens`` tokens per row over ``blocks`` blocks on ``peer_id`` answered after ``seconds``.
         Decode steps only; the peer's measured RTT is taken off (routing adds it apart), down to a quarter
         of the step at most, since one ping is a rough figure."""
-        if tokens > TIMED_STEP_TOKENS:
+        if tokens > TIMED_STEP_TOKENS or peer_id == LOCAL_PEER:
             return
         compute = max(seconds - self.rtt.get(peer_id, 0.0), seconds / 4)
         self.step_times.record(peer_id, blocks, compute)
@@ -160,13 +166,15 @@ class SequenceManager:
         A client that bundles steps (``step_bundles``) does not push under "auto": a pushed step cannot travel
         in a bundle, and bundles were asked for.
         """
-        if len(route) < 2 or not self.config.push:
+        # servers push only to servers: the pushes run along the remote stretches between local hops
+        later = [b for a, b in zip(route, route[1:], strict=False) if LOCAL_PEER not in (a.peer_id, b.peer_id)]
+        if not later or not self.config.push:
             return False
         if self.config.push is True:
             return True
         if self.config.step_bundles:  # asked for bundles: a pushed step travels alone, so "auto" leaves them be
             return False
-        return any(self.rtt.get(hop.peer_id, float("inf")) >= self.config.push_min_rtt for hop in route[1:])
+        return any(self.rtt.get(hop.peer_id, float("inf")) >= self.config.push_min_rtt for hop in later)
 
     def step_bundler(self, peer_id: str) -> StepBundler | None:
         """The step bundle stream to ``peer_id``, if bundles are on and the server announces them."""
@@ -304,7 +312,18 @@ class SequenceManager:
         return self._route_now(spans, start, end, cache_tokens, avoid=self.pings.pending())
 
     async def make_route(self, start: int, end: int, cache_tokens_needed: int = 0) -> list[RouteHop]:
-        """A route over ``[start, end)``; re-reads the DHT once before giving up with NoRouteError, or with
+        """A route over ``[start, end)``: the local blocks (``local``) inside it are one hop on ``LOCAL_PEER``, and
+        the blocks before and after them are routed over the servers (``_remote_route``)."""
+        local = self.local
+        if local is None or local.end <= start or end <= local.start:
+            return await self._remote_route(start, end, cache_tokens_needed)
+        a, b = max(start, local.start), min(end, local.end)
+        before = await self._remote_route(start, a, cache_tokens_needed) if start < a else []
+        after = await self._remote_route(b, end, cache_tokens_needed) if b < end else []
+        return [*before, RouteHop(LOCAL_PEER, a, b), *after]
+
+    async def _remote_route(self, start: int, end: int, cache_tokens_needed: int = 0) -> list[RouteHop]:
+        """A route over ``[start, end)`` on servers; re-reads the DHT once before giving up with NoRouteError, or with
         ``SessionTooLongError`` when the blocks are served but no server's whole cache could hold the session."""
         for attempt in range(2):
             spans = await self.update(force=attempt > 0)
@@ -341,7 +360,9 @@ class SequenceManager:
         logger.warning("banning peer %s for %.1fs: %s", peer_id, seconds, reason)
 
     def missing_blocks(self) -> list[int]:
-        return missing_blocks(self.spans, self.config.num_blocks)
+        """Blocks neither a server nor this client (``local``) runs."""
+        local = range(self.local.start, self.local.end) if self.local is not None else range(0)
+        return [b for b in missing_blocks(self.spans, self.config.num_blocks) if b not in local]
 
     def shutdown(self) -> None:
         """Close the replicated P2P client on the I/O loop that opened it, then the DHT if this owns it.
@@ -349,6 +370,8 @@ class SequenceManager:
         A P2P client left open is collected later with a pending connection task, after its loop is gone
         ("Task was destroyed but it is pending", errors raised from hivemind's ``__del__``)."""
         self.pings.cancel()
+        if self.local is not None:
+            self.local.shutdown()
         refresher, self._refresher = self._refresher, None
         if refresher is not None:
             refresher.get_loop().call_soon_threadsafe(refresher.cancel)

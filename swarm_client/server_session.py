@@ -13,8 +13,9 @@ from collections.abc import AsyncIterator
 import torch
 
 from swarm_client import capabilities, protocol
-from swarm_client.errors import PeerError, PeerTimeout, SwarmError, error_from_wire
-from swarm_client.routing import RouteHop
+from swarm_client.errors import PeerError, PeerTimeout, SessionNotFoundError, SwarmError, error_from_wire
+from swarm_client.local_span import LocalSession
+from swarm_client.routing import LOCAL_PEER, RouteHop
 from swarm_client.sequence_manager import SequenceManager
 
 #: steps up to this size travel in step bundles (decode steps); larger ones (prefills) on their own stream
@@ -23,6 +24,9 @@ BUNDLE_MAX_BYTES = 2**18
 
 class _ServerSession:
     """One server's stream: open, step at explicit positions, close (optionally keeping the cache)."""
+
+    #: a server, not the client's own blocks (``local_span.LocalSession``)
+    local = False
 
     def __init__(self, manager: SequenceManager, hop: RouteHop, session_id: str, batch_group: int | None = None):
         self.manager = manager
@@ -251,3 +255,25 @@ class _ServerSession:
 async def close_all(sessions: list[_ServerSession], keep: bool = False) -> None:
     """Close every session at once; a failure to close one is not an error (its server frees it anyway)."""
     await asyncio.gather(*(s.close(keep=keep) for s in sessions), return_exceptions=True)
+
+
+def hop_session(
+    manager: SequenceManager, hop: RouteHop, session_id: str, batch_group: int | None = None
+) -> _ServerSession | LocalSession:
+    """The session of one hop: a stream to its server, or for the local hop (``LOCAL_PEER``) the local blocks'."""
+    if hop.peer_id != LOCAL_PEER:
+        return _ServerSession(manager, hop, session_id, batch_group)
+    if manager.local is None:
+        raise SessionNotFoundError("a hop runs on the local blocks, but this client holds none", LOCAL_PEER)
+    return LocalSession(manager.local, hop, session_id)
+
+
+def push_chain(hops: list[_ServerSession | LocalSession], index: int) -> list[dict]:
+    """Where hop ``index``'s server pushes its output: the next hops up to the first local one (servers push
+    only to servers; the client feeds the local blocks and sends their output on)."""
+    chain = []
+    for hop in hops[index + 1 :]:
+        if hop.local:
+            break
+        chain.append(hop.push_target)
+    return chain

@@ -35,9 +35,10 @@ from swarm_client.failover import (
     wait_for_room,
 )
 from swarm_client.history import HistoryBuffer
-from swarm_client.routing import RouteHop
+from swarm_client.local_span import LocalSession
+from swarm_client.routing import LOCAL_PEER, RouteHop
 from swarm_client.sequence_manager import SequenceManager
-from swarm_client.server_session import _ServerSession, close_all
+from swarm_client.server_session import _ServerSession, close_all, hop_session, push_chain
 
 __all__ = ["CALLER_ERRORS", "HistoryBuffer", "InferenceSession", "_ServerSession"]
 
@@ -75,7 +76,7 @@ class InferenceSession:
         self._group_dealt = not manager.groups_follow_route
         self.position = 0
         self.closed = False
-        self._hops: list[_ServerSession] = []
+        self._hops: list[_ServerSession | LocalSession] = []  # local: the client's own blocks (``local_span``)
         self._history: list[HistoryBuffer] = []  # per hop: the inputs sent so far
         self.failovers = 0
         #: whether the latest step asked the servers to push to each other (``SequenceManager.push_pays``)
@@ -164,18 +165,14 @@ class InferenceSession:
             self.batch_group = self.manager.next_batch_group(chain_length)
             self._group_dealt = True
 
-    async def _open_hops(self, hops: list[RouteHop], wait: bool = True) -> list[_ServerSession]:
+    async def _open_hops(self, hops: list[RouteHop], wait: bool = True) -> list[_ServerSession | LocalSession]:
         """One server session per hop, opened all at once (one round trip for the chain, not one per server);
         all or none: if one fails, the opened ones are closed and its error raised. Without ``wait``, the
         opens are only sent and the first step follows them at once (``_ServerSession.open``)."""
         self._deal_group(len(hops))
         timeout = self.manager.config.connect_timeout
-        sessions = [
-            _ServerSession(
-                self.manager, hop, f"{self.session_id}:{hop.start}:{hop.end}:{uuid.uuid4().hex[:8]}", self.batch_group
-            )
-            for hop in hops
-        ]
+        ids = [f"{self.session_id}:{hop.start}:{hop.end}:{uuid.uuid4().hex[:8]}" for hop in hops]
+        sessions = [hop_session(self.manager, hop, sid, self.batch_group) for hop, sid in zip(hops, ids, strict=True)]
         results = await asyncio.gather(
             *(s.open(self.max_length, self.batch_size, resume=False, timeout=timeout, wait=wait) for s in sessions),
             return_exceptions=True,
@@ -217,11 +214,11 @@ class InferenceSession:
         index = 0
         while index < len(self._hops):
             hop = self._hops[index]
-            chain = [h.push_target for h in self._hops[index + 1 :]]
-            # a spot check starts with the step: its checkers compute while the hop does
+            chain = push_chain(self._hops, index)
+            # a spot check starts with the step: its checkers compute while the hop does (local blocks: none)
             check = (
                 None
-                if output_hidden_states
+                if output_hidden_states or hop.local
                 else start_spot_check(self.manager, hop.hop, self._history[index], x, position)
             )
             try:
@@ -345,7 +342,7 @@ class InferenceSession:
         _check_trusted(manager, state["hops"])
         session._deal_group(len(state["hops"]))
         hops = [
-            _ServerSession(
+            hop_session(
                 manager, RouteHop(h["peer_id"], h["start"], h["end"]), h["server_session_id"], session.batch_group
             )
             for h in state["hops"]
@@ -394,7 +391,7 @@ def _check_trusted(manager: SequenceManager, hops: list[dict]) -> None:
     trusted = set(manager.trusted_peers)
     last = manager.config.num_blocks
     for hop in hops if trusted else ():
-        if (hop["start"] == 0 or hop["end"] == last) and hop["peer_id"] not in trusted:
+        if (hop["start"] == 0 or hop["end"] == last) and hop["peer_id"] not in {*trusted, LOCAL_PEER}:
             raise SessionNotFoundError(
                 f"the session's server {hop['peer_id']} (blocks {hop['start']}:{hop['end']}) is not a trusted peer"
             )
