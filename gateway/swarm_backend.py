@@ -146,7 +146,8 @@ class SwarmBackend:
     """A model whose blocks are served by the swarm found through ``initial_peers``.
 
     ``client_options`` go to ``swarm_client.sequence_manager.ClientConfig`` (``update_period``,
-    ``step_timeout``, ``failover_deadline``…); ``dht`` reuses a running hivemind DHT (``swarmserve up``).
+    ``step_timeout``, ``failover_deadline``…), except ``local_blocks`` / ``device`` (blocks the gateway runs
+    itself, see ``AutoDistributedModelForCausalLM.from_pretrained``); ``dht`` reuses a running hivemind DHT.
     """
 
     def __init__(
@@ -344,12 +345,15 @@ class SwarmBackend:
                     "reachability": reachability_label(info.reachability, peer_id in banned),
                 }
             )
+        local = self.manager.local  # blocks this gateway runs itself (``--local-blocks``) are not missing
+        held = range(local.start, local.end) if local is not None else range(0)
         return {
             "model": self.model_id,
             "backend": "swarm",
             "dht_prefix": self.dht_prefix,
             "num_blocks": self.num_blocks,
-            "missing_blocks": missing_blocks(spans, self.num_blocks),
+            "missing_blocks": [b for b in missing_blocks(spans, self.num_blocks) if b not in held],
+            "local_blocks": [local.start, local.end] if local is not None else None,
             "spans": rows,
             "blocks": coverage(spans, self.num_blocks),
             "open_sessions": self.open_sessions,

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from swarmserve.cli.common import add_listen_flags, require_gateway_extra, stop_on_signals, subcommand
+from swarmserve.cli.common import add_listen_flags, blocks_arg, require_gateway_extra, stop_on_signals, subcommand
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -18,8 +18,25 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--redis-url", default=None, help="session-affinity store and rate-limit counters (default: memory)")
     add_listen_flags(p, "the HTTP API", 8000)
     add_client_flags(p)
+    p.add_argument(
+        "--local-blocks",
+        type=local_blocks_arg,
+        default=None,
+        metavar="START:END",
+        help="run blocks START:END in the gateway itself (e.g. on its GPU), a zero-latency hop of every route; "
+        "the swarm serves the rest (default: none)",
+    )
+    p.add_argument("--device", default="cpu", help="device of the --local-blocks: cpu, cuda or cuda:N")
     add_limit_flags(p)
     p.set_defaults(func=run)
+
+
+def local_blocks_arg(text: str) -> tuple[int, int]:
+    """``--local-blocks START:END`` (checked against the model's block count when it loads)."""
+    try:
+        return blocks_arg(text)
+    except argparse.ArgumentTypeError as exc:
+        raise argparse.ArgumentTypeError(str(exc).replace("--blocks", "--local-blocks")) from None
 
 
 def pipeline_groups_arg(text: str) -> int | str:
@@ -77,6 +94,8 @@ def client_options(args: argparse.Namespace, settings: Any = None) -> dict[str, 
     """``ClientConfig`` options from the flags, and the trust policy of ``settings`` (flag, env or default)."""
     push = {"auto": "auto", "on": True, "off": False}[getattr(args, "push", "auto")]
     options = {"pipeline_groups": args.pipeline_groups, "step_bundles": args.step_bundles, "push": push}
+    if getattr(args, "local_blocks", None) is not None:  # ``swarmserve gateway`` only; not ClientConfig options
+        options.update(local_blocks=args.local_blocks, device=args.device)
     if settings is not None and settings.trusted_peers:
         options["trusted_peers"] = list(settings.trusted_peers)
     return options
