@@ -27,7 +27,7 @@ from typing import Any
 from swarm_client.dht_records import ServerState
 
 __all__ = ["STATE_MAX_AGE_S", "THREAD_NAME_PREFIX", "CacheRoom", "SwarmView", "backend_room", "cache_room",
-           "reachability_label"]  # fmt: skip
+           "reachability_label", "with_quant"]  # fmt: skip
 
 #: how old a swarm view ``/health`` and ``/v1/swarm`` may answer from (probes and pages poll them: one DHT
 #: read per interval serves them all)
@@ -95,6 +95,17 @@ def cache_room(spans: Mapping[str, Any], num_blocks: int) -> CacheRoom | None:
     return CacheRoom(min(totals), min(largest), min(free), tuple(full))
 
 
+def with_quant(state: dict[str, Any], backend: Any) -> dict[str, Any]:
+    """``state`` with each span row's ``quant``: the weight quantization its server announced (``none``,
+    ``int8``, ``nf4``; worker/quant.py), from the spans of the swarm ``backend``'s client (no DHT read)."""
+    spans = getattr(getattr(backend, "manager", None), "spans", None)
+    rows = state.get("spans")
+    if not isinstance(spans, Mapping) or not isinstance(rows, list):
+        return state
+    quant = {peer: getattr(span.server_info, "quant", "none") for peer, span in dict(spans).items()}
+    return {**state, "spans": [{**row, "quant": quant.get(row.get("peer_id"), "none")} for row in rows]}
+
+
 def backend_room(backend: Any) -> CacheRoom | None:
     """The room of the swarm ``backend``'s client knows now (its routing view: no DHT read); None for a
     backend without a swarm (in-process) or before its first read."""
@@ -144,6 +155,8 @@ class SwarmView:
             state = self.backend.swarm_state(max_age_s=self.max_age_s / 2)
         else:
             state = self.backend.swarm_state()
+        if isinstance(state, dict):
+            state = with_quant(state, self.backend)
         room = backend_room(self.backend)  # the spans that read just refreshed
         if room is not None and isinstance(state, dict):
             state = {**state, "cache": room.as_dict()}

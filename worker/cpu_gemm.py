@@ -64,18 +64,28 @@ def _compiler() -> str | None:
     return None
 
 
-def _build(target: Path) -> None:
+def _build(target: Path, source: Path = SOURCE) -> None:
     compiler = _compiler()
     if compiler is None:
         raise RuntimeError("no C++ compiler found (set CXX, or install g++)")
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         out = Path(tmp) / target.name
-        cmd = [compiler, "-O3", "-std=c++17", "-shared", "-fPIC", str(SOURCE), "-o", str(out)]
+        cmd = [compiler, "-O3", "-std=c++17", "-shared", "-fPIC", str(source), "-o", str(out)]
         result = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
         if result.returncode != 0:
             raise RuntimeError(f"{' '.join(cmd)} failed: {result.stderr.strip()[-2000:]}")
         os.replace(out, target)  # atomic: concurrent workers never load a half-written library
+
+
+def build_and_load(source: Path, stem: str) -> ctypes.CDLL:
+    """Compile ``source`` into the kernel cache (once per source hash) and load it; raises if it cannot."""
+    digest = hashlib.sha256(source.read_bytes()).hexdigest()[:16]
+    target = cache_dir() / f"{stem}-{digest}.so"
+    if not target.exists():
+        logger.info("building %s into %s", source.name, target)
+        _build(target, source)
+    return ctypes.CDLL(str(target))
 
 
 def load() -> ctypes.CDLL | None:
@@ -87,13 +97,8 @@ def load() -> ctypes.CDLL | None:
         if not cpu_has_avx2_fma():
             _load_error = f"this CPU lacks AVX2/FMA (torch sees {torch.backends.cpu.get_cpu_capability()})"
             return None
-        digest = hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:16]
-        target = cache_dir() / f"panel_gemm-{digest}.so"
         try:
-            if not target.exists():
-                logger.info("building the panel GEMM kernel into %s", target)
-                _build(target)
-            lib = ctypes.CDLL(str(target))
+            lib = build_and_load(SOURCE, "panel_gemm")
             fn = lib.swarm_panel_gemm
             fn.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_long, ctypes.c_void_p,
                            ctypes.c_long, ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p, ctypes.c_long,
@@ -145,14 +150,20 @@ def linear(x: torch.Tensor, panels: torch.Tensor, out_features: int, bias: torch
     total = panels.shape[0]
     args = (x.data_ptr(), m, k, k, panels.data_ptr(), out_features, y.data_ptr(), out_features,
             None if bias is None else bias.data_ptr())  # fmt: skip
+    split_panels(lib.swarm_panel_gemm, args, total)
+    return y
+
+
+def split_panels(fn, args: tuple, total: int) -> None:
+    """``fn(*args, p_begin, p_end)`` over panels ``[0, total)``, split between ``torch.get_num_threads()``
+    threads when there are enough panels (ctypes releases the GIL while each share runs)."""
     threads = min(torch.get_num_threads(), total // MIN_PANELS_PER_THREAD)
     if threads <= 1:
-        lib.swarm_panel_gemm(*args, 0, total)
-        return y
+        fn(*args, 0, total)
+        return
     bounds = [round(i * total / threads) for i in range(threads + 1)]
     pool = _executor(threads)
-    futures = [pool.submit(lib.swarm_panel_gemm, *args, a, b) for a, b in zip(bounds[1:-1], bounds[2:], strict=True)]
-    lib.swarm_panel_gemm(*args, bounds[0], bounds[1])
+    futures = [pool.submit(fn, *args, a, b) for a, b in zip(bounds[1:-1], bounds[2:], strict=True)]
+    fn(*args, bounds[0], bounds[1])
     for f in futures:
         f.result()
-    return y

@@ -12,6 +12,7 @@ from swarm_client.families import Family
 from swarm_client.model_source import ensure_shards
 from swarm_client.weights import load_tensors
 from worker.cpu_kernels import pack_linears, resolve_cpu_kernels
+from worker.quant import quantize_linears, quantize_linears_cuda, resolve_quant
 
 logger = logging.getLogger(__name__)
 
@@ -26,6 +27,7 @@ def load_blocks(
     device: torch.device,
     max_disk_space: int | str | None = None,
     cpu_kernels: str = "torch",
+    quant: str = "none",
 ) -> list[nn.Module]:
     """Blocks ``[start, end)`` in ``dtype`` on ``device``; tensors of other blocks are never read.
 
@@ -33,29 +35,41 @@ def load_blocks(
     size is checked against ``max_disk_space`` (and the free space) before the first byte is fetched.
     ``cpu_kernels``: on a float32 CPU server, put the projections on packed weights (``auto``, ``panels``,
     ``onednn``; worker/cpu_kernels.py); elsewhere, and with ``torch``, blocks keep plain layers.
+    ``quant`` (``none``, ``int8``, ``nf4``, ``auto``; worker/quant.py): each block's projections are
+    quantized right after its tensors are read, so the span never sits in memory at full precision.
     """
-    kind = resolve_cpu_kernels(cpu_kernels, device, dtype)
-    if cpu_kernels != "torch":
+    prefixes = [family.layer_prefix(i) for i in range(start, end)]
+    shards = ensure_shards(model_dir, prefixes, max_disk_space)
+    quant = resolve_quant(quant, model_dir, prefixes, dtype, device)
+    kind = resolve_cpu_kernels(cpu_kernels, device, dtype) if quant == "none" else "torch"
+    if cpu_kernels != "torch" and quant == "none":
         logger.info("projections run on %s kernels (asked for %s)", kind, cpu_kernels)
-    shards = ensure_shards(model_dir, [family.layer_prefix(i) for i in range(start, end)], max_disk_space)
+    on_gpu = device.type == "cuda" and quant != "none"  # bitsandbytes quantizes while moving to the GPU
     logger.info("blocks %d:%d live in %d checkpoint file(s): %s", start, end, len(shards), ", ".join(shards))
     blocks = []
     for index in range(start, end):
         prefix = family.layer_prefix(index)
-        tensors = load_tensors(model_dir, [prefix], dtype=dtype, device=str(device), progress=False)
+        where = "cpu" if on_gpu else str(device)
+        tensors = load_tensors(model_dir, [prefix], dtype=dtype, device=where, progress=False)
         if not tensors:
             raise ValueError(f"checkpoint {model_dir} has no tensors for block {index} (prefix {prefix!r})")
         relative = {name[len(prefix) :]: t for name, t in tensors.items()}
         block = family.build_block(config, index, relative)
         block.requires_grad_(False)
+        del tensors, relative  # the float weights of quantized projections go with them
+        packed = 0
+        if on_gpu:
+            packed = quantize_linears_cuda(block, quant, dtype)
+        elif quant != "none":
+            packed = quantize_linears(block, quant)
         block = block.to(device)
-        packed = pack_linears(block, kind) if kind != "torch" else 0
-        if packed:
+        if kind != "torch":
+            packed = pack_linears(block, kind)
+        if packed and device.type == "cpu":
             _own_storage(block)
         blocks.append(block)
-        logger.info(
-            "loaded block %d (%d tensors%s)", index, len(relative), f", {packed} projections packed" if packed else ""
-        )
+        how = f"quantized to {quant}" if quant != "none" else "packed"
+        logger.info("loaded block %d (%s)", index, f"{packed} projections {how}" if packed else "plain")
     return blocks
 
 

@@ -42,6 +42,7 @@ from worker.handler import BlockHandler, HandlerLimits
 from worker.loading import load_blocks, resolve_dtype
 from worker.message_cap import DEFAULT_MAX_RECEIVING_BYTES, install_message_cap
 from worker.metrics import WorkerMetrics
+from worker.quant import resolve_quant
 from worker.reachability import own_maddrs, startup_check, unreachable_message
 from worker.reachability_service import ReachabilityService
 from worker.rebalance import (
@@ -70,6 +71,7 @@ class BlockServer:
         self.dht_prefix = cfg.dht_prefix or default_dht_prefix(cfg.model)
         self.device = torch.device(cfg.device)
         self.dtype = resolve_dtype(cfg.dtype, self.device, self.config)
+        self.quant = cfg.quant  # "auto" until the span is chosen (worker/quant.py)
         self.expiration = cfg.expiration or max(3 * cfg.update_period, 15.0)
         self.dht: DHT | None = None
         self.handler: BlockHandler | None = None
@@ -124,7 +126,7 @@ class BlockServer:
         await self._announce(ServerState.ONLINE)
         print(
             f"swarmserve worker ready: serving blocks {self.start}:{self.end} of {self.total_blocks} "
-            f"({self.dht_prefix}, {self.family.name} family, {self.dtype}, {self.device}) "
+            f"({self.dht_prefix}, {self.family.name} family, {self.dtype}, quant {self.quant}, {self.device}) "
             f"as peer {self.dht.peer_id.to_base58()}; throughput {self.throughput:.1f} tok/s; "
             f"cache {cfg.cache_tokens} tokens",
             flush=True,
@@ -203,17 +205,11 @@ class BlockServer:
     async def _build_handler(self, start: int, end: int) -> BlockHandler:
         """Load blocks ``[start, end)`` and wrap them in a handler (throughput is measured once, on start)."""
         cfg = self.cfg
-        blocks = await asyncio.to_thread(
-            load_blocks,
-            self.model_dir,
-            self.config,
-            self.family,
-            start,
-            end,
-            self.dtype,
-            self.device,
-            cpu_kernels=cfg.cpu_kernels,
-        )
+        prefixes = [self.family.layer_prefix(i) for i in range(start, end)]  # "auto": by the span's size
+        where = (self.dtype, self.device)
+        self.quant = await asyncio.to_thread(resolve_quant, cfg.quant, self.model_dir, prefixes, *where)
+        args = (self.model_dir, self.config, self.family, start, end, *where)
+        blocks = await asyncio.to_thread(load_blocks, *args, cpu_kernels=cfg.cpu_kernels, quant=self.quant)
         runner = SpanRunner(blocks, self.dtype, self.device)
         layout = self.family.cache_layout(self.config)
         caches = CacheManager(
@@ -288,6 +284,7 @@ class BlockServer:
             sessions_left=self.handler.caches.room()["sessions_left"] if self.handler else self.cfg.max_sessions,
             version=PROTOCOL_VERSION,
             dtype=str(self.dtype).removeprefix("torch."),
+            quant=self.quant,
             public_name=self.cfg.public_name,
             features=(protocol.STEP_BUNDLES,),
             reachability=self.reachability,

@@ -62,6 +62,11 @@ def reachability_label(announced: object) -> str:
     return str(getattr(announced, "value", announced)) if announced else "not checked"
 
 
+def quant_label(info: object) -> str:
+    """The weight quantization a server announced (``none``, ``int8``, ``nf4``; worker/quant.py)."""
+    return str(getattr(info, "quant", None) or "none")
+
+
 def render_status(prefix: str, num_blocks: int, spans: Mapping[str, Any], *, as_json: bool = False) -> tuple[str, list]:
     """The swarm as a table (one row per server, one column per block) plus coverage; also the missing
     blocks. ``spans``: peer id → ``RemoteSpanInfo``. Servers are named by their full peer id (as the
@@ -87,6 +92,7 @@ def render_status(prefix: str, num_blocks: int, spans: Mapping[str, Any], *, as_
                     "cache_tokens_left": s.server_info.cache_tokens_left,
                     "public_name": s.server_info.public_name,
                     "reachability": reachability_label(s.server_info.reachability),
+                    "quant": quant_label(s.server_info),
                 }
                 for s in ordered
             ],
@@ -97,9 +103,9 @@ def render_status(prefix: str, num_blocks: int, spans: Mapping[str, Any], *, as_
     names = [s.server_info.public_name or s.peer_id for s in ordered]
     width = max([len("server"), *map(len, names)])
     lines = [f"swarm {prefix!r}: {num_blocks} blocks, {len(ordered)} server(s)"]
-    head = f"{'server':<{width}} {'blocks':>9}  {'state':<7} {'reachability':<12} {'throughput':>12}"
+    head = f"{'server':<{width}} {'blocks':>9}  {'state':<7} {'quant':<5} {'reachability':<12} {'throughput':>12}"
     lines.append(f"{head} {'cache left':>10}  map")
-    pad = width + 58  # where the map column starts
+    pad = width + 64  # where the map column starts
     ruler = "".join(str(b // 10 % 10) if b % 10 == 0 else " " for b in range(num_blocks))
     lines += [f"{'':<{pad}}{ruler}".rstrip(), f"{'':<{pad}}{''.join(str(b % 10) for b in range(num_blocks))}"]
     for s, name in zip(ordered, names, strict=True):
@@ -107,7 +113,7 @@ def render_status(prefix: str, num_blocks: int, spans: Mapping[str, Any], *, as_
         mark = {ServerState.ONLINE: "█", ServerState.JOINING: "j"}.get(state, "x")
         row = "".join(mark if s.start <= b < s.end else "·" for b in range(num_blocks))
         lines.append(
-            f"{name:<{width}} {f'{s.start}:{s.end}':>9}  {state.name:<7} "
+            f"{name:<{width}} {f'{s.start}:{s.end}':>9}  {state.name:<7} {quant_label(s.server_info):<5} "
             f"{reachability_label(s.server_info.reachability):<12} "
             f"{s.server_info.throughput:>8.1f} t/s {s.server_info.cache_tokens_left:>10}  {row}"
         )

@@ -12,6 +12,8 @@ from swarmserve.cli.dht import add_announce_flags, announced_maddrs
 DTYPES = ["auto", "float32", "bfloat16", "float16"]
 #: worker.cpu_kernels.CPU_KERNELS, repeated so ``--help`` does not import torch (a test keeps them equal)
 CPU_KERNELS = ["auto", "panels", "onednn", "torch"]
+#: worker.quant.QUANT_CHOICES (repeated likewise; tests/test_quant.py keeps them equal)
+QUANT_CHOICES = ["none", "int8", "nf4", "auto"]
 FAULTS = "nan, hang, wrong-shape, noise, slow"
 #: protocol.MAX_STEP_TOKENS, message_cap.DEFAULT_MAX_MESSAGE_BYTES, uploads.DEFAULT_UPLOAD_BUDGET (repeated for the
 #: same reason; tests/test_worker_hostile_units.py keeps them equal)
@@ -35,6 +37,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         choices=CPU_KERNELS,
         help="on a float32 CPU server: our panel kernel for small batches (auto: where it builds, else oneDNN), "
         "oneDNN-packed projections, or plain torch",
+    )
+    p.add_argument(
+        "--quant",
+        default="none",
+        choices=QUANT_CHOICES,
+        help="weight-only quantization of the projections: int8 (per-channel scales) or nf4 (bitsandbytes' "
+        "4-bit NormalFloat); CPU: our kernels, CUDA: bitsandbytes; auto: the most precise that fits the memory",
     )
     p.add_argument("--cache-tokens", type=int, default=16384, help="KV-cache budget in token slots")
     p.add_argument("--session-ttl", type=float, default=300.0, help="keep a finished session's cache this long (s)")
@@ -131,6 +140,7 @@ def run(args: argparse.Namespace, rest: list[str]) -> int:
             device=args.device,
             dtype=args.dtype,
             cpu_kernels=args.cpu_kernels,
+            quant=args.quant,
             cache_tokens=args.cache_tokens,
             session_ttl=args.session_ttl,
             idle_timeout=args.idle_timeout,
