@@ -137,13 +137,35 @@ def test_quantized_block_is_the_float_block_with_dequantized_weights(tiny_llama,
         want, got = full.forward(x), runner.forward(x)
         relative = float((got - want).norm() / want.norm())
         assert 0 < relative < bound, relative
-        plain, _, _ = span(tiny_llama, "none", 0, 1)
-        for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
-            reference = getattr(plain.blocks[0].layer.self_attn, name)
-            reference.weight.copy_(getattr(block.layer.self_attn, name).weight)
-        for name in ("gate_proj", "up_proj", "down_proj"):
-            getattr(plain.blocks[0].layer.mlp, name).weight.copy_(getattr(block.layer.mlp, name).weight)
+        plain = dequantized_copy(tiny_llama, runner)
         torch.testing.assert_close(got, plain.forward(x), atol=1e-5, rtol=1e-5)
+
+
+def dequantized_copy(model: str, runner: SpanRunner) -> SpanRunner:
+    """The same span in plain float32 layers, its projections holding ``runner``'s dequantized weights."""
+    plain, _, _ = span(model, "none", 0, len(runner.blocks))
+    names = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    with torch.no_grad():
+        for mine, theirs in zip(plain.blocks, runner.blocks, strict=True):
+            for parent in ("self_attn", "mlp"):
+                for name in names:
+                    if hasattr(getattr(mine.layer, parent), name):
+                        src = getattr(getattr(theirs.layer, parent), name).weight
+                        getattr(getattr(mine.layer, parent), name).weight.copy_(src)
+    return plain
+
+
+@pytest.mark.parametrize("quant", ["int8", "nf4"])
+def test_backward_through_a_quantized_span(tiny_llama, quant):
+    """``rpc_backward``'s computation on a quantized span: the gradient of the quantized model."""
+    runner, _, config = span(tiny_llama, quant, 0, 2)
+    plain = dequantized_copy(tiny_llama, runner)
+    x = torch.randn(1, 5, config.hidden_size, generator=torch.Generator().manual_seed(3))
+    grad_out = torch.randn(1, 5, config.hidden_size, generator=torch.Generator().manual_seed(4))
+    got, _ = runner.backward(x, grad_out)
+    want, _ = plain.backward(x, grad_out)
+    assert float(got.abs().max()) > 0
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("quant", ["int8", "nf4"])

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import logging
 
 import torch
@@ -67,6 +69,7 @@ def load_blocks(
             packed = pack_linears(block, kind)
         if packed and device.type == "cpu":
             _own_storage(block)
+            release_freed_memory()
         blocks.append(block)
         how = f"quantized to {quant}" if quant != "none" else "packed"
         logger.info("loaded block %d (%s)", index, f"{packed} projections {how}" if packed else "plain")
@@ -84,6 +87,17 @@ def _own_storage(block: nn.Module) -> None:
         for name, buffer in module._buffers.items():
             if buffer is not None:
                 module._buffers[name] = buffer.clone()
+
+
+def release_freed_memory() -> None:
+    """Hand memory freed by the allocator back to the system (glibc's ``malloc_trim``; a no-op elsewhere).
+    Packing and quantizing a block free float temporaries and its checkpoint copy; glibc keeps such memory
+    for reuse, and a span's resident size grew by them: measured on the medium model's 8 blocks in NF4,
+    193 MB resident without this."""
+    try:
+        ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 def resolve_dtype(name: str, device: torch.device, config: PretrainedConfig | None = None) -> torch.dtype:

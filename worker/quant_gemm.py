@@ -71,12 +71,21 @@ def load_error() -> str | None:
 
 
 # ---------------------------------------------------------------- formats (dense [N, K] in nn.Linear's layout)
+#: rows quantized at a time: keeps the float temporaries of a large projection to a few MB
+CHUNK_ROWS = 256
+
+
 def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``weight`` [N, K] → (``q`` int8 [N, K], ``scales`` float32 [N]); |w - q * scale| ≤ scale / 2."""
-    w = weight.detach().float()
-    scales = w.abs().amax(dim=1) / 127
-    scales = torch.where(scales > 0, scales, torch.ones_like(scales))  # an all-zero row stays zero
-    q = torch.round(w / scales[:, None]).clamp_(-127, 127).to(torch.int8)
+    n, k = weight.shape
+    q = torch.empty(n, k, dtype=torch.int8)
+    scales = torch.empty(n)
+    for a in range(0, n, CHUNK_ROWS):
+        w = weight[a : a + CHUNK_ROWS].detach().float()
+        s = w.abs().amax(dim=1) / 127
+        s = torch.where(s > 0, s, torch.ones_like(s))  # an all-zero row stays zero
+        q[a : a + CHUNK_ROWS] = torch.round(w / s[:, None]).clamp_(-127, 127)
+        scales[a : a + CHUNK_ROWS] = s
     return q, scales
 
 
@@ -86,15 +95,21 @@ def dequantize_int8(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
 
 def quantize_nf4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``weight`` [N, K] → (``codes`` uint8 [N, K] in 0..15, ``absmax`` float32 [N, ceil(K / 64)])."""
-    w = weight.detach().float()
-    n, k = w.shape
+    n, k = weight.shape
     blocks = -(-k // NF4_BLOCK)
-    padded = torch.zeros(n, blocks * NF4_BLOCK)
-    padded[:, :k] = w
-    absmax = padded.view(n, blocks, NF4_BLOCK).abs().amax(dim=2)
-    absmax = torch.where(absmax > 0, absmax, torch.ones_like(absmax))
-    normalized = padded.view(n, blocks, NF4_BLOCK) / absmax[:, :, None]
-    codes = torch.bucketize(normalized, _NF4_MIDPOINTS).to(torch.uint8).view(n, -1)[:, :k].contiguous()
+    codes = torch.empty(n, k, dtype=torch.uint8)
+    absmax = torch.empty(n, blocks)
+    for a in range(0, n, CHUNK_ROWS):
+        w = weight[a : a + CHUNK_ROWS].detach().float()
+        rows = w.shape[0]
+        padded = torch.zeros(rows, blocks * NF4_BLOCK)
+        padded[:, :k] = w
+        padded = padded.view(rows, blocks, NF4_BLOCK)
+        m = padded.abs().amax(dim=2)
+        m = torch.where(m > 0, m, torch.ones_like(m))
+        nearest = torch.bucketize(padded / m[:, :, None], _NF4_MIDPOINTS, out_int32=True)
+        codes[a : a + CHUNK_ROWS] = nearest.view(rows, -1)[:, :k]
+        absmax[a : a + CHUNK_ROWS] = m
     return codes, absmax
 
 
