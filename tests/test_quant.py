@@ -103,6 +103,22 @@ def test_kernel_matches_dequantized_linear_and_rows_are_batch_invariant(cls):
         assert module(x.view(3, 3, 100)).shape == (3, 3, 37)
 
 
+@needs_kernel
+def test_int8_avx512_and_avx2_paths_agree_bit_for_bit():
+    module = Int8Linear(nn.Linear(300, 70))
+    x = torch.randn(6, 300, generator=torch.Generator().manual_seed(2))
+    lib = quant_gemm.load()
+    before = lib.swarm_quant_use_avx512(0)
+    try:
+        with torch.inference_mode():
+            avx2 = module(x)
+            lib.swarm_quant_use_avx512(1)
+            wide = module(x)
+    finally:
+        lib.swarm_quant_use_avx512(before)
+    assert torch.equal(avx2, wide)
+
+
 def test_gradients_flow_through_the_dequantized_weight():
     linear = nn.Linear(64, 48)
     module = Int8Linear(linear)

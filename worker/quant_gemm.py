@@ -9,9 +9,12 @@
 
 Why our own kernel: measured on the 2-core AMD EPYC (one thread, the medium model's four layers'
 projections, 1 row), torch's ``aten._weight_int8pack_mm`` took 38.8 ms against 7.8 ms for the float32 panel
-kernel (4 rows: 170 vs 10.9 ms): its CPU path is not made for decode-sized batches. Ours widens the int8
-or NF4 weights to float32 in registers and accumulates in float32 FMA chains, one per output element in
-k order, so its rows are batch-invariant like the float32 panel kernel's.
+kernel (4 rows: 170 vs 10.9 ms): its CPU path is not made for decode-sized batches; bitsandbytes 0.50's
+CPU NF4 took 2.08 ms for one 2816×1024 projection where ours takes 0.38. Ours widens the int8 or NF4
+weights to float32 in registers and accumulates in float32 FMA chains, one per output element in k order,
+so its rows are batch-invariant like the float32 panel kernel's. Same four layers, 1 / 4 / 8 rows: float32
+panels 7.4 / 10.6 / 15.1 ms, int8 2.8 / 5.2 / 9.4 ms (AVX-512 where the CPU has it: one conversion per
+16 weights; 4.2 / 6.6 / 12.7 ms on AVX2 alone), NF4 5.5 / 8.0 / 15.1 ms (AVX2).
 """
 
 from __future__ import annotations
