@@ -57,7 +57,7 @@ PROMPTS = [
 ]
 
 CHILD = r"""
-import gc, resource, sys, psutil, torch
+import gc, sys, psutil, torch
 from transformers import AutoConfig
 from swarm_client.families import get_family
 from worker.loading import load_blocks
@@ -73,10 +73,11 @@ float(torch.ones(64, 64).mul(2).sum())
 get_family(config).build_block
 gc.collect()
 before = psutil.Process().memory_info().rss
-peak_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 blocks = load_blocks(path, config, get_family(config), a, b, torch.float32, torch.device("cpu"),
                      cpu_kernels="auto", quant=quant)
-peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+# the high-water mark of this process's own memory (getrusage's ru_maxrss would include the parent's: it
+# survives fork and exec)
+peak = next(int(line.split()[1]) * 1024 for line in open("/proc/self/status") if line.startswith("VmHWM:"))
 # touch every float weight (safetensors maps files lazily: untouched pages are not resident yet); packed and
 # quantized weights were written by us, so they are resident already
 sum(float(p.sum()) for m in blocks for p in m.parameters())
