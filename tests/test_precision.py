@@ -108,3 +108,18 @@ def test_spot_checkers_compute_with_the_same_weights():
     assert asyncio.run(checkers(manager, RouteHop("Q8a", 0, 4))) == ["Q8b"]
     assert asyncio.run(checkers(manager, RouteHop("F", 0, 4))) is None  # nobody else at full precision
     assert asyncio.run(checkers(manager, RouteHop("N4", 1, 3))) is None
+
+
+def test_min_precision_flag_reaches_the_client_options():
+    import argparse
+
+    from swarmserve.cli.gateway import add_client_flags, client_options
+
+    parser = argparse.ArgumentParser()
+    add_client_flags(parser)
+    assert "min_precision" not in client_options(parser.parse_args([]))  # default: any server
+    options = client_options(parser.parse_args(["--min-precision", "full"]))
+    assert options["min_precision"] == "full"
+    ClientConfig(initial_peers=[], dht_prefix="m", num_blocks=4, **options)  # a valid ClientConfig option
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--min-precision", "fp16"])

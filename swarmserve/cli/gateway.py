@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from swarm_client.precision import MIN_PRECISIONS
 from swarmserve.cli.common import add_listen_flags, blocks_arg, require_gateway_extra, stop_on_signals, subcommand
 
 
@@ -76,6 +77,13 @@ def add_client_flags(p: argparse.ArgumentParser) -> None:
         "the measured RTT to a later server of the chain is 5 ms or more; the x-swarm-push header says which)",
     )
     p.add_argument(
+        "--min-precision",
+        choices=MIN_PRECISIONS,
+        default="any",
+        help="the least precise server weights a route may use: full (no quantized server), int8, nf4, or any "
+        "(default); servers announce theirs (swarmserve worker --quant)",
+    )
+    p.add_argument(
         "--trusted-peers",
         default=None,
         metavar="PEER,PEER",
@@ -94,6 +102,8 @@ def client_options(args: argparse.Namespace, settings: Any = None) -> dict[str, 
     """``ClientConfig`` options from the flags, and the trust policy of ``settings`` (flag, env or default)."""
     push = {"auto": "auto", "on": True, "off": False}[getattr(args, "push", "auto")]
     options = {"pipeline_groups": args.pipeline_groups, "step_bundles": args.step_bundles, "push": push}
+    if getattr(args, "min_precision", "any") != "any":
+        options["min_precision"] = args.min_precision
     if getattr(args, "local_blocks", None) is not None:  # ``swarmserve gateway`` only; not ClientConfig options
         options.update(local_blocks=args.local_blocks, device=args.device)
     if settings is not None and settings.trusted_peers:
