@@ -303,6 +303,7 @@ class LocalSession:
         output_hidden_states: bool = False,
         step_id: str | None = None,
         push_chain: list[dict] | None = None,
+        expect_push: bool = False,
     ) -> torch.Tensor:
         if self._cache is None or self.closed:
             raise SessionNotFoundError(f"local session {self.session_id} is not open", LOCAL_PEER)

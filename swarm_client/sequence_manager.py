@@ -92,6 +92,8 @@ class SequenceManager:
         self._busy_until: dict[str, float] = {}
         #: this client's open server sessions per peer (routing load; announcements lag behind)
         self.sessions_on: Counter[str] = Counter()
+        #: pushed steps whose answer missed ``push_grace``, so the client sent its own copy after all
+        self.late_pushes = 0
         #: seconds per block of this client's own decode steps, per peer (routing believes these over claims)
         self.step_times = StepTimes()
         #: blocks this client runs itself (``local_span``): one hop of every route that crosses them

@@ -211,6 +211,7 @@ class InferenceSession:
         )
         self.pushing = push
         step_id = uuid.uuid4().hex if push else None
+        pushed_to: dict | None = None  # the push target the previous hop sent this step's output to
         index = 0
         while index < len(self._hops):
             hop = self._hops[index]
@@ -224,8 +225,9 @@ class InferenceSession:
             try:
                 try:
                     t0 = time.perf_counter()
+                    pushed = pushed_to is not None and pushed_to is getattr(hop, "push_target", None)
                     out = await hop.step(
-                        x, position, self.manager.config.step_timeout, output_hidden_states, step_id, chain
+                        x, position, self.manager.config.step_timeout, output_hidden_states, step_id, chain, pushed
                     )
                     self.manager.record_step(hop.hop.peer_id, hop.hop.length, x.shape[1], time.perf_counter() - t0)
                     if check is not None:
@@ -247,10 +249,11 @@ class InferenceSession:
                         await wait_for_room(self.manager, e, hop.hop.start, hop.hop.end, busy_deadline)
                     await self._replace_hop(index, position, e, deadline)
                     # a fresh step id: later hops may have run a push from the failed hop's output
-                    step_id = uuid.uuid4().hex if push else None
+                    step_id, pushed_to = (uuid.uuid4().hex if push else None), None
                     continue  # retry this index with the replacement hop(s)
                 raise
             self.manager.bans.report_success(hop.hop.peer_id)
+            pushed_to = chain[0] if step_id is not None and chain else None
             self._history[index].write(position, x)
             if output_hidden_states:
                 states.append(out)

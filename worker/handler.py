@@ -80,6 +80,8 @@ class BlockHandler(StepBundles, ForwardBackward, protocol.BlockRPC):
         #: pushes that came before their session opened here, held until it does (``worker.early_pushes``)
         self.early_pushes = EarlyPushes()
         self.pushes_held = 0
+        #: clients' own copies of steps already run from a push (a client sends one only when the push is late)
+        self.copies_after_push = 0
 
     async def rpc_info(self, request: runtime_pb2.ExpertUID, context: P2PContext) -> runtime_pb2.ExpertInfo:
         self.caches.expire()
@@ -96,6 +98,7 @@ class BlockHandler(StepBundles, ForwardBackward, protocol.BlockRPC):
             "pushes_refused": self.pushes_refused,
             "pushes_dropped": self.pushes_dropped,
             "pushes_held": self.pushes_held,
+            "copies_after_push": self.copies_after_push,
             "accepting": self.accepting,
             "uploads_refused": self.uploads.refused,
         }

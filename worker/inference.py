@@ -52,6 +52,7 @@ class InferenceStreams(ServerPush):
     active_streams: int
     metrics: WorkerMetrics | None
     pushes_used: int
+    copies_after_push: int
     #: compute time of the latest step (set by ``_step``)
     last_step_seconds: float
 
@@ -109,6 +110,7 @@ class InferenceStreams(ServerPush):
                         break
                     step_id = metadata.get("step_id")
                     if step_id is not None and step_id in recent:
+                        self.copies_after_push += 1
                         continue  # already answered from the pushed copy
                     tensors = self._deserialize(message.tensors, max_count=1)
                     if step_id is not None:
