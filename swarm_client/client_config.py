@@ -71,7 +71,7 @@ class ClientConfig:
     spot_check_wait: float = 2.0
     compression: str = "none"
     #: server-to-server push: each server also sends its output straight to the next server of the chain,
-    #: which starts computing before the client's own copy arrives (that copy still goes, as a fallback).
+    #: which starts computing at once (the client sends its own copy only if the answer is late: ``push_grace``).
     #: "auto": on for a chain of 2+ servers unless every later server is nearer than ``push_min_rtt`` (a LAN or
     #: one machine, where it saves nothing and costs a message per hop) or ``step_bundles`` is on (a pushed step
     #: cannot travel in a bundle); True / False: always / never

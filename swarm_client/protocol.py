@@ -18,8 +18,8 @@ Inference stream (``rpc_inference``), one bidirectional stream per server span:
     "session_id", "push_token"}, ...]} (the next hops); the server then also sends its output to the first
     of them (``rpc_push``: one long-lived stream per target session, a message per step: tensors [out],
     {"session_id", "push_token", "step_id", "position", "push_chain": rest}), which runs it at once if the
-    token is the one the session was opened with (else a ``session_access_denied`` error). The client still
-    sends every hop its own copy; a server answers each step_id once,
+    token is the one the session was opened with (else a ``session_access_denied`` error). The client sends
+    a hop its own copy only when the pushed step's answer is late; a server answers each step_id once,
     echoing it in the response, so a client skips answers whose step_id is not the one it waits for.
 Bundled steps (``rpc_steps``, servers announcing the ``step_bundles`` feature): one long-lived stream per
 client and server carries the decode steps of all the client's sessions on that server, so N concurrent
