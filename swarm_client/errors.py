@@ -47,6 +47,12 @@ class PeerTimeout(PeerError):
     pass
 
 
+class PushMismatchError(PeerError):
+    """A server ran a pushed step whose input differs from what the previous server returned to the client:
+    the previous server pushed one thing and answered another. Raised with no peer id; the session bans the
+    previous server and redoes the step from it."""
+
+
 class SessionLost(SwarmError):
     pass
 

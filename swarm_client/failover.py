@@ -24,11 +24,12 @@ from swarm_client.errors import (
     PeerError,
     RemoteError,
     SessionLost,
+    SessionNotFoundError,
     SessionTooLongError,
     SwarmBusyError,
 )
 from swarm_client.history import HistoryBuffer
-from swarm_client.routing import RouteHop, find_route
+from swarm_client.routing import LOCAL_PEER, RouteHop, find_route
 from swarm_client.sequence_manager import SequenceManager
 from swarm_client.server_session import _ServerSession, close_all
 
@@ -251,3 +252,15 @@ def start_spot_check(
     prefix = history.read(position)
     full = x if prefix is None else torch.cat([prefix, x], 1)
     return PendingSpotCheck(manager, hop, checkers, full, x.shape[1])
+
+
+def check_trusted_resume(manager: SequenceManager, hops: list[dict]) -> None:
+    """A session to resume must obey this client's trust policy (it may come from another replica's snapshot):
+    else ``SessionNotFoundError``, and the caller starts a fresh session on a route that does."""
+    trusted = set(manager.trusted_peers)
+    last = manager.config.num_blocks
+    for hop in hops if trusted else ():
+        if (hop["start"] == 0 or hop["end"] == last) and hop["peer_id"] not in {*trusted, LOCAL_PEER}:
+            raise SessionNotFoundError(
+                f"the session's server {hop['peer_id']} (blocks {hop['start']}:{hop['end']}) is not a trusted peer"
+            )

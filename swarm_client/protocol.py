@@ -36,6 +36,7 @@ Forward / backward (``rpc_forward`` / ``rpc_backward``) are stream → stream so
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Iterable, Sequence
 from typing import Any, AsyncIterator  # noqa: UP035 - hivemind detects streams by typing.AsyncIterator only
 
@@ -87,6 +88,14 @@ def unpack_metadata(raw: bytes) -> dict[str, Any]:
     if not isinstance(value, dict):
         raise ValueError("metadata must be a msgpack map")
     return value
+
+
+def input_digest(tensor: torch.Tensor) -> str:
+    """A short fingerprint of a tensor's dtype, shape and bytes: a server answering a pushed step echoes the
+    digest of the input it ran, and the client compares it with the previous server's answer."""
+    flat = tensor.detach().contiguous().reshape(-1)
+    data = flat.view(torch.uint8).numpy().tobytes() if flat.numel() else b""
+    return hashlib.blake2b(f"{flat.dtype}{tuple(tensor.shape)}".encode() + data, digest_size=8).hexdigest()
 
 
 def serialize(tensor: torch.Tensor, compression: str = "none") -> runtime_pb2.Tensor:

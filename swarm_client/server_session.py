@@ -13,7 +13,14 @@ from collections.abc import AsyncIterator
 import torch
 
 from swarm_client import capabilities, protocol
-from swarm_client.errors import PeerError, PeerTimeout, SessionNotFoundError, SwarmError, error_from_wire
+from swarm_client.errors import (
+    PeerError,
+    PeerTimeout,
+    PushMismatchError,
+    SessionNotFoundError,
+    SwarmError,
+    error_from_wire,
+)
 from swarm_client.local_span import LocalSession
 from swarm_client.routing import LOCAL_PEER, RouteHop
 from swarm_client.sequence_manager import SequenceManager
@@ -225,6 +232,7 @@ class _ServerSession:
         """One step; ``push_chain`` (the next hops' ``push_target``s) asks the server to push its output on to
         the first of them (see ``protocol``). ``expect_push``: the previous server pushed this step here, so
         its answer is awaited first (``push_grace``) and the client's own copy is sent only if it is late."""
+        digest = protocol.input_digest(hidden) if expect_push else None  # what the previous server answered us
         hidden = self._to_wire(hidden)
         extra = {} if step_id is None else {"step_id": step_id, "push_chain": push_chain or []}
         if self.batch_group is not None:
@@ -254,6 +262,11 @@ class _ServerSession:
             got = [tuple(t.shape) for t in tensors]
             raise PeerError(f"server {self.hop.peer_id} returned shapes {got}, expected {expected}", self.hop.peer_id)
         out = tensors[0]
+        ran = metadata.get("input_digest")  # set when the server ran the pushed copy: it must be what we got
+        if digest is not None and ran is not None and ran != digest:
+            raise PushMismatchError(
+                f"server {self.hop.peer_id} ran a pushed step whose input differs from the previous server's answer"
+            )
         if not torch.isfinite(out).all():
             raise PeerError(f"server {self.hop.peer_id} returned non-finite activations", self.hop.peer_id)
         self.position = int(metadata.get("position", position + hidden.shape[1]))

@@ -21,6 +21,7 @@ from swarm_client.errors import (
     InvalidInputError,
     LengthExceededError,
     PeerError,
+    PushMismatchError,
     RemoteError,
     SessionLost,
     SessionNotFoundError,
@@ -29,6 +30,7 @@ from swarm_client.errors import (
 from swarm_client.failover import (
     CALLER_ERRORS,
     PendingSpotCheck,
+    check_trusted_resume,
     open_span,
     replace_span,
     start_spot_check,
@@ -36,7 +38,7 @@ from swarm_client.failover import (
 )
 from swarm_client.history import HistoryBuffer
 from swarm_client.local_span import LocalSession
-from swarm_client.routing import LOCAL_PEER, RouteHop
+from swarm_client.routing import RouteHop
 from swarm_client.sequence_manager import SequenceManager
 from swarm_client.server_session import _ServerSession, close_all, hop_session, push_chain
 
@@ -212,9 +214,11 @@ class InferenceSession:
         self.pushing = push
         step_id = uuid.uuid4().hex if push else None
         pushed_to: dict | None = None  # the push target the previous hop sent this step's output to
+        inputs: list[torch.Tensor] = []  # each hop's input this step
         index = 0
         while index < len(self._hops):
             hop = self._hops[index]
+            inputs[index:] = [x]
             chain = push_chain(self._hops, index)
             # a spot check starts with the step: its checkers compute while the hop does (local blocks: none)
             check = (
@@ -237,6 +241,12 @@ class InferenceSession:
                         check.cancel()  # no-op once it has finished
             except CALLER_ERRORS:
                 raise
+            except PushMismatchError as e:  # the previous server pushed other activations than it answered us
+                liar = self._hops[index - 1].hop.peer_id
+                await self._replace_hop(index - 1, position, PeerError(f"{e} (pushed by {liar})", liar), deadline)
+                index, x = index - 1, inputs[index - 1]
+                step_id, pushed_to = uuid.uuid4().hex, None
+                continue
             except (PeerError, RemoteError) as e:
                 if (
                     isinstance(e, SessionNotFoundError | CacheExhaustedError | SessionTooLongError | PeerError)
@@ -342,7 +352,7 @@ class InferenceSession:
             keep_on_close,
         )
         position = int(state["position"])
-        _check_trusted(manager, state["hops"])
+        check_trusted_resume(manager, state["hops"])
         session._deal_group(len(state["hops"]))
         hops = [
             hop_session(
@@ -387,14 +397,3 @@ class InferenceSession:
     def route(self) -> list[RouteHop]:
         return [h.hop for h in self._hops]
 
-
-def _check_trusted(manager: SequenceManager, hops: list[dict]) -> None:
-    """A session to resume must obey this client's trust policy (it may come from another replica's snapshot):
-    else ``SessionNotFoundError``, and the caller starts a fresh session on a route that does."""
-    trusted = set(manager.trusted_peers)
-    last = manager.config.num_blocks
-    for hop in hops if trusted else ():
-        if (hop["start"] == 0 or hop["end"] == last) and hop["peer_id"] not in {*trusted, LOCAL_PEER}:
-            raise SessionNotFoundError(
-                f"the session's server {hop['peer_id']} (blocks {hop['start']}:{hop['end']}) is not a trusted peer"
-            )

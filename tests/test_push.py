@@ -114,3 +114,27 @@ def test_wrong_pushed_activations_are_caught_and_replaced(tiny_llama, reference)
             model.shutdown()
     finally:
         s.close()
+
+
+def test_a_server_pushing_other_activations_than_it_answers_is_caught_without_spot_checks(tiny_llama, reference):  # noqa: F811
+    """The first server answers the client right but pushes noise to the next one. The next server's answer
+    carries the digest of the input it ran, which differs from what the client got: the pusher is banned and
+    replaced, the step redone, not one token changes — with spot checks off."""
+    s = Swarm(tiny_llama)
+    try:
+        s.add_worker(blocks="0:2")
+        s.add_worker(blocks="2:4")
+        liar = s.add_worker("--fault", "push-noise:3", "--throughput", "1e9", blocks="0:2")
+        model = pushing_model(tiny_llama, s, spot_check_rate=0.0)
+        try:
+            runtime.run(model.manager.update(force=True))
+            prefer(model, liar.peer_id)
+            tokens, session = greedy_with_hook(model, lambda step, session: None)
+            assert tokens == reference
+            assert session.failovers >= 1
+            assert liar.peer_id not in {h.peer_id for h in session.route}
+            assert "pushed by" in model.manager.bans.reasons().get(liar.peer_id, "")
+        finally:
+            model.shutdown()
+    finally:
+        s.close()

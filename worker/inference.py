@@ -215,7 +215,8 @@ class InferenceStreams(ServerPush):
             recent.append(step_id)
             self.pushes_used += 1
             self._push_next(out, metadata, pushes)
-            return self._step_response(out, position, metadata)
+            # the input's digest lets the client check the push against what the previous server answered it
+            return self._step_response(out, position, metadata, input_digest=protocol.input_digest(tensors[0]))
         except Exception as e:  # whatever a pushed step holds, the session goes on: the client's copy follows
             logger.debug("dropped a pushed step of session %s: %r", cache.session_id, e)
             return None
@@ -245,10 +246,11 @@ class InferenceStreams(ServerPush):
         await inbox.put(("end", None))
 
     @staticmethod
-    def _step_response(out: torch.Tensor, position: int, metadata: dict) -> runtime_pb2.ExpertResponse:
+    def _step_response(out: torch.Tensor, position: int, metadata: dict, **extra) -> runtime_pb2.ExpertResponse:
         return protocol.make_response(
             [out],
             compression=metadata.get("compression_out", metadata.get("compression", "none")),
             position=position,
             step_id=metadata.get("step_id"),
+            **extra,
         )

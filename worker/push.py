@@ -46,6 +46,10 @@ class ServerPush(WireChecks):
     pushes_dropped: int
     pushes_held: int
     early_pushes: EarlyPushes
+    #: test-only fault injection (``--fault``), kept by ``BlockHandler``
+    fault: str | None
+    fault_after: int
+    inference_steps: int
 
     def holds_stream(self, session_id: str) -> bool:
         """Whether an open inference stream here holds ``session_id`` (pushes and bundles need one)."""
@@ -118,6 +122,8 @@ class ServerPush(WireChecks):
         if not isinstance(target, dict) or not isinstance(target.get("peer_id"), str):
             return
         session_id = str(target.get("session_id"))
+        if self.fault == "push-noise" and self.inference_steps > self.fault_after:
+            out = out + 0.5 * torch.randn_like(out)  # test-only (``--fault push-noise``): answer right, push wrong
         stream = pushes.get(session_id)
         if stream is None or stream.closed:
             for stale in pushes.values():  # the client re-routed: the old target is no longer in its chain

@@ -14,7 +14,7 @@ DTYPES = ["auto", "float32", "bfloat16", "float16"]
 CPU_KERNELS = ["auto", "panels", "onednn", "torch"]
 #: worker.quant.QUANT_CHOICES (repeated likewise; tests/test_quant.py keeps them equal)
 QUANT_CHOICES = ["none", "int8", "nf4", "auto"]
-FAULTS = "nan, hang, wrong-shape, noise, slow"
+FAULTS = "nan, hang, wrong-shape, noise, push-noise, slow"
 #: protocol.MAX_STEP_TOKENS, message_cap.DEFAULT_MAX_MESSAGE_BYTES, uploads.DEFAULT_UPLOAD_BUDGET (repeated for the
 #: same reason; tests/test_worker_hostile_units.py keeps them equal)
 MAX_STEP_TOKENS = 1024
