@@ -14,11 +14,13 @@ pydantic v1 types, as hivemind requires) rejects malformed values under ``{prefi
 
 from __future__ import annotations
 
+import concurrent.futures
 import enum
 import functools
 import hashlib
 import os
 import re
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Dict, List, Optional  # noqa: UP035 - pydantic v1 schemas (hivemind) want typing generics
@@ -258,14 +260,26 @@ def mark_validated(dht) -> None:
 
 
 # ---------------------------------------------------------------------------------------- I/O
-def fetch_block_records(dht, dht_prefix: str, num_blocks: int) -> list[dict[str, ServerInfo]]:
-    """For each block, ``{peer_id: ServerInfo}`` of the valid, unexpired, owner-verified records; blocking."""
+#: a swarm read gives up after this long: a DHT shut down mid-read never answers its futures, and a thread
+#: waiting on one forever keeps the interpreter from exiting (concurrent.futures joins its workers at exit)
+FETCH_TIMEOUT = 20.0
+
+
+def fetch_block_records(
+    dht, dht_prefix: str, num_blocks: int, timeout: float = FETCH_TIMEOUT
+) -> list[dict[str, ServerInfo]]:
+    """For each block, ``{peer_id: ServerInfo}`` of the valid, unexpired, owner-verified records; blocking,
+    ``TimeoutError`` after ``timeout`` seconds."""
     _ensure_can_read(dht)
     uids = block_uids(dht_prefix, 0, num_blocks)
     futures = [dht.get(uid, latest=True, return_future=True) for uid in uids]
+    deadline = time.monotonic() + timeout
     result: list[dict[str, ServerInfo]] = []
     for fut in futures:
-        entry = fut.result()
+        try:
+            entry = fut.result(timeout=max(deadline - time.monotonic(), 0.001))
+        except concurrent.futures.TimeoutError:
+            raise TimeoutError(f"the DHT did not answer a swarm read within {timeout:g}s") from None
         per_peer: dict[str, ServerInfo] = {}
         if entry is not None and isinstance(entry.value, dict):
             for subkey, item in entry.value.items():
