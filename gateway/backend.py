@@ -13,6 +13,8 @@ Two optional abilities, each declared here so the engine reaches them through a 
   (gateway/sessions.py).
 - Batched decode steps (``BatchingBackend``: a backend with ``step_many`` and ``step_group``; check with
   ``isinstance``): one call steps several sessions (gateway/decode_batch.py).
+- Every position's logits (``supports_all_logits = True``; check with ``can_speculate``): ``step(...,
+  all_logits=True)``, which speculative decoding needs to check several guessed tokens in one step.
 - Saying where a session runs (``RouteReportingBackend``: a backend with ``describe_route``; check with
   ``isinstance``): which servers hold its blocks, for the ``x-swarm-route`` headers (gateway/route_info.py).
 """
@@ -38,6 +40,7 @@ __all__ = [
     "SessionRoute",
     "SessionSnapshot",
     "can_resume",
+    "can_speculate",
     "context_window",
 ]
 
@@ -62,8 +65,9 @@ class DecodeSession(Protocol):
     def token_ids(self) -> list[int]:
         """The token ids processed so far (``len(token_ids) == position``)."""
 
-    def step(self, token_ids: list[int]) -> torch.Tensor:
-        """Feed ``token_ids`` after the current position; return the last one's float32 logits ``[vocab]``."""
+    def step(self, token_ids: list[int], all_logits: bool = False) -> torch.Tensor:
+        """Feed ``token_ids`` after the current position; return the last one's float32 logits ``[vocab]``
+        (``all_logits``: every fed position's, ``[len(token_ids), vocab]``, for speculative decoding)."""
 
     def rollback(self, position: int) -> None:
         """Forget everything after ``position`` (``0 <= position <= self.position``)."""
@@ -113,15 +117,22 @@ def can_resume(backend: ModelBackend) -> TypeGuard[ResumableBackend]:
     return bool(getattr(backend, "supports_resume", False))
 
 
+def can_speculate(backend: ModelBackend) -> bool:
+    """True for a backend that declares ``supports_all_logits = True``: its sessions' ``step`` takes
+    ``all_logits`` (every fed position's logits), so the engine may verify guessed tokens (gateway/speculation.py)."""
+    return bool(getattr(backend, "supports_all_logits", False))
+
+
 @runtime_checkable
 class BatchingBackend(Protocol):
     """A backend that steps several of its sessions in one call (``isinstance`` checks that both are there)."""
 
     def step_many(
-        self, sessions: Sequence[DecodeSession], token_ids: Sequence[list[int]]
+        self, sessions: Sequence[DecodeSession], token_ids: Sequence[list[int]], all_logits: bool = False
     ) -> list[torch.Tensor | BaseException]:
         """One step of each of ``sessions`` (opened by this backend), each fed its ``token_ids``: per session
-        its logits or the exception its step raised, the same as stepping them one by one.
+        its logits (``all_logits``: of every fed position) or the exception its step raised, the same as
+        stepping them one by one.
 
         A backend may also take ``on_ready`` (a callable of ``[(index, result), ...]``) and hand results
         over early with it, before late steps complete (``accepts_on_ready``; the swarm backend does)."""

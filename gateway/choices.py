@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from gateway.sampling import SamplingParams
+from gateway.speculation import SpeculationStats
 
 __all__ = ["ChoiceResult", "ChoiceSpec", "Delta", "FinishReason", "TokenLogprob"]
 
@@ -30,6 +31,11 @@ class ChoiceSpec:
     prompt_logprobs: bool = False
     #: special tokens come out as text (a tool-call opener such as ``[TOOL_CALLS]`` is one)
     keep_special_tokens: bool = False
+    #: speculative decoding (gateway/speculation.py): ``auto`` (the gateway's setting), ``off``,
+    #: ``prompt_lookup`` or ``draft_model``
+    speculation: str = "auto"
+    #: text the drafter may copy from besides the prompt (OpenAI's ``prediction`` content), as token ids
+    reference_ids: Sequence[int] = ()
 
 
 @dataclass
@@ -54,6 +60,8 @@ class Delta:
     prompt_logprobs: list[TokenLogprob] | None = None
     #: prompt tokens whose caches were reused instead of sent (on every delta; final on the finishing one)
     cached_tokens: int = 0
+    #: the choice's speculative decoding so far (None: it decodes without guesses)
+    speculation: SpeculationStats | None = None
 
 
 @dataclass
@@ -65,12 +73,14 @@ class ChoiceResult:
     completion_tokens: int = 0
     prompt_logprobs: list[TokenLogprob] | None = None
     cached_tokens: int = 0
+    speculation: SpeculationStats | None = None
 
     def add(self, delta: Delta) -> None:
         self.text += delta.text
         self.logprobs.extend(delta.logprobs)
         self.completion_tokens = delta.completion_tokens
         self.cached_tokens = delta.cached_tokens
+        self.speculation = delta.speculation
         if delta.prompt_logprobs is not None:
             self.prompt_logprobs = delta.prompt_logprobs
         if delta.finish_reason is not None:

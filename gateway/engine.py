@@ -36,7 +36,7 @@ import time
 import uuid
 from collections.abc import AsyncGenerator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -48,6 +48,7 @@ from gateway.backend import (
     ResumableBackend,
     accepts_on_ready,
     can_resume,
+    can_speculate,
 )
 from gateway.capacity_queue import CapacityQueue
 from gateway.choices import ChoiceResult, ChoiceSpec, Delta, FinishReason, TokenLogprob
@@ -60,6 +61,8 @@ from gateway.sampling import Sampler, top_logprobs
 from gateway.session_handle import ReusableSession, Reuse, SessionHandle
 from gateway.sessions import AffinityStore, common_prefix
 from gateway.settings import GatewaySettings
+from gateway.speculation import ChoiceSpeculator, StepCosts
+from gateway.speculators import Speculators
 from gateway.stop import StopMatcher
 from gateway.structured import StructuredOutputs
 from swarm_client.errors import SessionLost
@@ -75,6 +78,9 @@ class _DecodeItem:
     token: int
     sampler: Sampler
     k: int | None
+    #: the choice's speculation (None: plain decoding) and the guesses this step carries
+    speculator: ChoiceSpeculator | None = None
+    drafts: list[int] = field(default_factory=list)
 
 
 class Engine(PromptRules):
@@ -90,6 +96,8 @@ class Engine(PromptRules):
         self.capacity = CapacityQueue(settings.busy_queue_timeout_s)
         #: the app's metrics (gateway/metrics.py; set by ``install_metrics``); None: nothing is measured
         self.metrics: GatewayMetrics | None = None
+        #: each choice's drafter and how many guesses pay (gateway/speculation.py, gateway/speculators.py)
+        self.speculators = Speculators(settings, StepCosts(), enabled=can_speculate(backend))
         #: the backend, when it can reuse sessions across requests
         self.resumable: ResumableBackend | None = backend if can_resume(backend) else None
         #: the affinity store, when both it and the backend can reuse sessions across requests
@@ -110,6 +118,7 @@ class Engine(PromptRules):
         """Stop the worker threads (the backend belongs to the caller and stays open)."""
         self.executor.shutdown(wait=False, cancel_futures=True)
         self.tokenize.close()
+        self.speculators.close()
 
     # ---------------------------------------------------------------------------------------- generation
 
@@ -205,20 +214,38 @@ class Engine(PromptRules):
         token, lp = self._sample(logits, sampler, spec.logprobs)
         return token, lp, scored, cached
 
-    def _next_token(
-        self, session: DecodeSession, token: int, sampler: Sampler, k: int | None
-    ) -> tuple[int, TokenLogprob | None]:
-        return self._sample(session.step([token]), sampler, k)
+    def _next_tokens(self, item: _DecodeItem) -> list[tuple[int, TokenLogprob | None]]:
+        """Feed the item's token (and guesses) alone; the tokens that step yields."""
+        if item.speculator is not None:
+            item.drafts = item.speculator.drafts()
+        started = time.perf_counter()
+        if item.drafts:
+            logits = item.session.step([item.token, *item.drafts], all_logits=True)
+        else:
+            logits = item.session.step([item.token])
+        return self._settle(item, logits, time.perf_counter() - started)
 
-    async def _decode(
-        self, handle: SessionHandle, session: DecodeSession, token: int, sampler: Sampler, k: int | None
-    ) -> tuple[int, TokenLogprob | None]:
-        """Feed ``token`` and sample the next one: with the other choices' steps (``decoder``), or alone."""
+    def _settle(self, item: _DecodeItem, logits: torch.Tensor, seconds: float) -> list[tuple[int, TokenLogprob | None]]:
+        """A step's logits → the tokens it yields: one sample, or the verified guesses (gateway/speculation.py)."""
+        if item.speculator is None:
+            return [self._sample(logits, item.sampler, item.k)]
+        sampler = item.sampler
+        return item.speculator.settle(
+            item.session,
+            item.drafts,
+            logits,
+            lambda row: self._sample(row, sampler, item.k),
+            lambda token: token in self.eos_ids or sampler.finished,
+            seconds,
+        )
+
+    async def _decode(self, handle: SessionHandle, item: _DecodeItem) -> list[tuple[int, TokenLogprob | None]]:
+        """Feed the item's token and sample what follows (several tokens when guesses are kept): with the other
+        choices' steps (``decoder``), or alone."""
         if self.decoder is None or self.batching is None:  # set together
-            return await handle.call(self._next_token, session, token, sampler, k)
-        inner = session.inner if isinstance(session, ReusableSession) else session
+            return await handle.call(self._next_tokens, item)
+        inner = item.session.inner if isinstance(item.session, ReusableSession) else item.session
         group = self.batching.step_group(inner)
-        item = _DecodeItem(session, token, sampler, k)
         return await handle.wait(handle.track(self.decoder.submit(handle, item, group)))
 
     def _decode_batch(self, backend: BatchingBackend, items: Sequence[_DecodeItem], deliver: Deliver) -> list[Any]:
@@ -227,32 +254,41 @@ class Engine(PromptRules):
         Results the backend hands over early (its late steps need not hold up the rest) are sampled and
         ``deliver``ed at once, each sampled exactly once."""
         inner = [i.session.inner if isinstance(i.session, ReusableSession) else i.session for i in items]
-        tokens = [[i.token] for i in items]
+        for item in items:
+            item.drafts = item.speculator.drafts() if item.speculator is not None else []
+        all_logits = any(item.drafts for item in items)
+        tokens = [[i.token, *i.drafts] for i in items]
         sampled: dict[int, Any] = {}
+        started = time.perf_counter()
 
         def on_ready(pairs: list[tuple[int, Any]]) -> None:
-            done = [(i, self._complete(items[i], logits)) for i, logits in pairs if i not in sampled]
+            done = [(i, self._complete(items[i], logits, started)) for i, logits in pairs if i not in sampled]
             sampled.update(done)
             deliver(done)
 
+        options: dict[str, Any] = {"all_logits": True} if all_logits else {}
         if self._early_results:
-            logits_or_errors = backend.step_many(inner, tokens, on_ready=on_ready)
-        else:
-            logits_or_errors = backend.step_many(inner, tokens)
+            options["on_ready"] = on_ready
+        logits_or_errors = backend.step_many(inner, tokens, **options)
         return [
-            sampled[i] if i in sampled else self._complete(item, logits)
+            sampled[i] if i in sampled else self._complete(item, logits, started)
             for i, (item, logits) in enumerate(zip(items, logits_or_errors, strict=True))
         ]
 
-    def _complete(self, item: _DecodeItem, logits: Any) -> Any:
-        """One item's step result (logits or exception) → its sampled token, or the exception."""
+    def _complete(self, item: _DecodeItem, logits: Any, started: float) -> Any:
+        """One item's step result (logits — every position's when the batch carried guesses — or an
+        exception) → the tokens it yields, or the exception."""
         try:
+            seconds = time.perf_counter() - started
             reusable = item.session if isinstance(item.session, ReusableSession) else None
+            fed = [item.token, *item.drafts]
             if isinstance(logits, SessionLost) and reusable is not None and reusable.resumed:
-                logits = reusable.recover([item.token], logits)  # as its step() would
+                logits = reusable.recover(fed, logits, all_logits=bool(item.drafts))  # as its step() would
             if isinstance(logits, BaseException):
                 return logits
-            return self._sample(logits, item.sampler, item.k)
+            if logits.dim() == 2 and not item.drafts:  # a plain step of a batch that carried guesses
+                logits = logits[-1]
+            return self._settle(item, logits, seconds)
         except Exception as e:
             return e
 
@@ -260,6 +296,7 @@ class Engine(PromptRules):
         """Decode one choice, yielding text as soon as it is final (no partial characters, no text that might
         still turn out to be a stop string). Closes the session however it ends."""
         produced = reused = 0
+        speculator: ChoiceSpeculator | None = None
         try:
             session = handle.session
             assert session is not None
@@ -268,23 +305,34 @@ class Engine(PromptRules):
                 self.tokenizer, spec.prompt_ids, skip_special_tokens=not spec.keep_special_tokens
             )
             stopper = StopMatcher(spec.stop)
+            speculator = self.speculators.for_choice(spec)
             pending: list[TokenLogprob] = []  # logprobs of tokens whose text is not out yet
             text, produced = "", 0
             finish: FinishReason = "length"
-            token, lp, prompt_lps, reused = await handle.call(self._first_token, session, spec, sampler)
+            first, lp, prompt_lps, reused = await handle.call(self._first_token, session, spec, sampler)
+            tokens = [(first, lp)]
             clock = self._token_clock(handle.opened_at, first=True)
-            while True:
+            ended = False
+            while not ended:
                 cached = 0 if handle.cached_tokens_lost else reused
-                produced += 1
-                if token in self.eos_ids:
-                    finish = "stop"
-                    break
-                if lp is not None:
-                    pending.append(lp)
-                text = stopper.push(detok.push(token))
-                if stopper.stopped:
-                    break
-                if text:
+                for token, lp in tokens:  # one sampled token, or several when a step's guesses were kept
+                    produced += 1
+                    ended = True
+                    if token in self.eos_ids:
+                        finish = "stop"
+                        break
+                    if lp is not None:
+                        pending.append(lp)
+                    text += stopper.push(detok.push(token))
+                    if stopper.stopped:
+                        break
+                    if sampler.finished:  # the grammar is complete: EOS is all it would allow
+                        finish = "stop"
+                        break
+                    if produced >= spec.max_tokens:
+                        break
+                    ended = False
+                if text and not stopper.stopped:
                     yield Delta(
                         spec.index,
                         text,
@@ -292,39 +340,48 @@ class Engine(PromptRules):
                         completion_tokens=produced,
                         prompt_logprobs=prompt_lps,
                         cached_tokens=cached,
+                        speculation=speculator.stats if speculator is not None else None,
                     )
                     pending, prompt_lps, text = [], None, ""
-                if sampler.finished:  # the grammar is complete: EOS is all it would allow
-                    finish = "stop"
+                if ended:
                     break
-                if produced >= spec.max_tokens:
-                    break
-                token, lp = await self._decode(handle, session, token, sampler, spec.logprobs)
-                clock = self._token_clock(clock)
+                if speculator is not None:
+                    speculator.emitted([t for t, _ in tokens])
+                item = _DecodeItem(session, tokens[-1][0], sampler, spec.logprobs, speculator)
+                tokens = await self._decode(handle, item)
+                clock = self._token_clock(clock, len(tokens))
             if self.decoder is not None:
                 self.decoder.forget(handle)  # the next batch need not wait for this choice
             if not stopper.stopped:  # release what was held: an incomplete character, a would-be stop string
-                text = stopper.push(detok.flush())
+                text += stopper.push(detok.flush())
                 text += "" if stopper.stopped else stopper.flush()
             if stopper.stopped:
                 finish = "stop"
             handle.completed = True
             cached = 0 if handle.cached_tokens_lost else reused
-            yield Delta(spec.index, text, pending, finish, produced, prompt_lps, cached)
+            stats = speculator.stats if speculator is not None else None
+            yield Delta(spec.index, text, pending, finish, produced, prompt_lps, cached, stats)
         finally:
             if self.decoder is not None:
                 self.decoder.forget(handle)
             if self.metrics is not None and produced:
                 cached = 0 if handle.cached_tokens_lost else reused
                 self.metrics.observe_usage(len(spec.prompt_ids), produced, cached)
+                if speculator is not None:
+                    self.metrics.observe_speculation(speculator.stats)
+            if speculator is not None:
+                speculator.close()
             await handle.aclose()
             self.capacity.released()
 
-    def _token_clock(self, since: float, *, first: bool = False) -> float:
-        """Record the time to the first token (``since`` = the session's opening) or between two tokens;
-        return now, where the next token's time starts."""
+    def _token_clock(self, since: float, tokens: int = 1, *, first: bool = False) -> float:
+        """Record the time to the first token (``since`` = the session's opening) or between two tokens (a
+        step that yielded ``tokens`` counts that many, each an equal share); return now, where the next
+        token's time starts."""
         now = time.perf_counter()
         if self.metrics is not None:
-            histogram = self.metrics.time_to_first_token if first else self.metrics.inter_token_latency
-            histogram.observe(now - since)
+            if first:
+                self.metrics.time_to_first_token.observe(now - since)
+            for _ in range(0 if first else tokens):
+                self.metrics.inter_token_latency.observe((now - since) / tokens)
         return now

@@ -34,7 +34,7 @@ class LocalSession:
     def position(self) -> int:
         return len(self.token_ids)
 
-    def step(self, token_ids: list[int]) -> torch.Tensor:
+    def step(self, token_ids: list[int], all_logits: bool = False) -> torch.Tensor:
         if self.closed or self._cache is None:
             raise RuntimeError("step() on a closed session")
         if not token_ids:
@@ -54,10 +54,10 @@ class LocalSession:
                 cache_position=positions,
                 cache=self._cache,
                 use_cache=True,
-                logits_to_keep=1,
+                logits_to_keep=len(token_ids) if all_logits else 1,
             )
         self.token_ids.extend(token_ids)
-        return out.logits[0, -1].float().cpu()  # [vocab]
+        return out.logits[0].float().cpu() if all_logits else out.logits[0, -1].float().cpu()  # [T, vocab] / [vocab]
 
     def rollback(self, position: int) -> None:
         if not 0 <= position <= self.position:
@@ -76,6 +76,9 @@ class LocalSession:
 
 class LocalBackend:
     """A whole model in this process, behind the same protocol as the swarm."""
+
+    #: ``step(..., all_logits=True)`` gives every position's logits (speculative decoding)
+    supports_all_logits = True
 
     def __init__(
         self,

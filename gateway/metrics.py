@@ -37,6 +37,7 @@ from starlette.routing import Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway.access_log import count_choice, end_tally, log_request, start_tally
+from gateway.speculation import SpeculationStats
 
 logger = logging.getLogger(__name__)
 
@@ -110,6 +111,26 @@ class GatewayMetrics:
             "Choices that reused a cached prefix (cached_tokens > 0)",
             registry=r,
         )
+        self.speculated_tokens = Counter(
+            "swarmserve_speculation_drafted_tokens",
+            "Guessed tokens sent along with a decode step (speculative decoding)",
+            registry=r,
+        )
+        self.speculation_accepted = Counter(
+            "swarmserve_speculation_accepted_tokens",
+            "Guessed tokens the model agreed with: output tokens that cost no trip of their own",
+            registry=r,
+        )
+        self.speculation_steps = Counter(
+            "swarmserve_speculation_steps", "Decode steps that carried guessed tokens", registry=r
+        )
+        #: drafted and accepted tokens so far, for the rate (the engine reports from its event loop only)
+        self._speculation_totals = [0, 0]
+        self.speculation_acceptance = Gauge(
+            "swarmserve_speculation_acceptance_rate",
+            "Accepted / drafted tokens since the gateway started (0 before any guess)",
+            registry=r,
+        )
         self.active_streams = Gauge(
             "swarmserve_active_streams", "SSE responses being sent right now", registry=r
         )
@@ -127,6 +148,18 @@ class GatewayMetrics:
         if cached_tokens > 0:
             self.cached_tokens.inc(cached_tokens)
             self.cache_hits.inc()
+
+    def observe_speculation(self, stats: SpeculationStats) -> None:
+        """Count one finished choice's guesses (gateway/speculation.py) and update the acceptance rate."""
+        if stats.drafted <= 0:
+            return
+        self.speculated_tokens.inc(stats.drafted)
+        self.speculation_accepted.inc(stats.accepted)
+        self.speculation_steps.inc(stats.steps)
+        self._speculation_totals[0] += stats.drafted
+        self._speculation_totals[1] += stats.accepted
+        drafted, accepted = self._speculation_totals
+        self.speculation_acceptance.set(accepted / drafted)
 
     def observe_error(self, code: str | None) -> None:
         self.errors.labels(code or "unknown").inc()

@@ -149,6 +149,8 @@ class ChatCompletionRequest(OpenAIRequestModel):
     top_k: int | None = None
     min_p: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
     repetition_penalty: RepetitionPenalty | None = None
+    #: speculative decoding: auto (the gateway's setting), off, prompt_lookup, draft_model
+    speculation: Literal["auto", "off", "prompt_lookup", "draft_model"] | None = None
 
 
 class CompletionRequest(OpenAIRequestModel):
@@ -176,6 +178,8 @@ class CompletionRequest(OpenAIRequestModel):
     top_k: int | None = None
     min_p: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
     repetition_penalty: RepetitionPenalty | None = None
+    #: speculative decoding: auto (the gateway's setting), off, prompt_lookup, draft_model
+    speculation: Literal["auto", "off", "prompt_lookup", "draft_model"] | None = None
 
 
 # --------------------------------------------------------------------------------------------- responses
@@ -196,11 +200,39 @@ class PromptTokensDetails(OpenAIResponseModel):
     cached_tokens: int = 0
 
 
+class CompletionTokensDetails(OpenAIResponseModel):
+    #: guessed tokens (speculative decoding, ``prediction`` content) that the output kept / did not keep
+    accepted_prediction_tokens: int = 0
+    rejected_prediction_tokens: int = 0
+
+
+class SpeculationUsage(OpenAIResponseModel):
+    """Extension: the request's speculative decoding (gateway/speculation.py), summed over its choices."""
+
+    #: the drafter(s) used: prompt_lookup, draft_model
+    drafter: str
+    drafted_tokens: int
+    accepted_tokens: int
+    #: decode steps (trips along the chain) that carried guesses
+    steps: int
+
+
 class CompletionUsage(OpenAIResponseModel):
     completion_tokens: int
     prompt_tokens: int
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails = Field(default_factory=PromptTokensDetails)
+    #: only when the request's choices decoded speculatively
+    completion_tokens_details: CompletionTokensDetails | None = None
+    speculation: SpeculationUsage | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_no_speculation(self, handler: Any) -> dict[str, Any]:
+        out = handler(self)
+        for key in ("completion_tokens_details", "speculation"):
+            if out.get(key) is None:
+                out.pop(key, None)  # the keys only when guesses were made
+        return out
 
 
 class TopLogprob(OpenAIResponseModel):

@@ -141,7 +141,22 @@ class PromptRules:
         """``render_chat_sync`` on the tokenize thread."""
         return await self.tokenize.run(self.render_chat_sync, messages, tools, requested=requested)
 
+    async def prediction_ids(self, text: str | None) -> list[int]:
+        """The token ids of a request's ``prediction`` content (what the drafter may copy from), on the
+        tokenize thread; none for none."""
+        return [] if not text else await self.tokenize.run(self.prediction_ids_sync, text)
+
     # ----------------------------------------------------------------- on the tokenize thread (tokenize.run)
+
+    def prediction_ids_sync(self, text: str) -> list[int]:
+        ids = self.tokenize.own()(text, add_special_tokens=False)["input_ids"]
+        if len(ids) > self.backend.max_context:
+            raise InvalidRequestError(
+                f"prediction: its content is {len(ids)} tokens, more than the model's context window "
+                f"({self.backend.max_context}); send the part of it the answer may repeat.",
+                param="prediction",
+            )
+        return [int(i) for i in ids]
 
     def special_token_id_sync(self, text: str) -> int | None:
         tokenizer = self.tokenize.own()

@@ -21,9 +21,10 @@ from gateway.capacity_queue import Need
 from gateway.choices import ChoiceResult, ChoiceSpec, Delta
 from gateway.engine import Engine
 from gateway.errors import InvalidRequestError
-from gateway.openai_schema import CompletionUsage, PromptTokensDetails
+from gateway.openai_schema import CompletionTokensDetails, CompletionUsage, PromptTokensDetails, SpeculationUsage
 from gateway.responses_store import owner_of
 from gateway.sampling import SamplingParams
+from gateway.speculation import SpeculationStats
 from gateway.streaming import ChunkBuilder
 from gateway.swarm_view import backend_room
 
@@ -42,6 +43,8 @@ __all__ = [
     "sampling_params",
     "session_key",
     "stop_list",
+    "prediction_text",
+    "speculation_usage",
     "usage_of",
 ]
 
@@ -183,7 +186,51 @@ def usage_of(prompt_tokens: int, results: list[ChoiceResult]) -> CompletionUsage
         prompt_tokens=prompt_tokens,
         total_tokens=prompt_tokens + completion,
         prompt_tokens_details=PromptTokensDetails(cached_tokens=sum(r.cached_tokens for r in results)),
+        **speculation_usage([r.speculation for r in results]),
     )
+
+
+def prediction_text(prediction: dict[str, Any] | None) -> str | None:
+    """The text of a chat request's ``prediction`` (OpenAI's Predicted Outputs: ``{"type": "content",
+    "content": str | [{"type": "text", "text": str}, ...]}``): text the answer is likely to repeat, which the
+    prompt-lookup drafter may copy from. Any other shape is a 400."""
+    if prediction is None:
+        return None
+    content = prediction.get("content")
+    if prediction.get("type") != "content" or content is None:
+        raise InvalidRequestError(
+            'prediction: expected {"type": "content", "content": "..."}.', param="prediction"
+        )
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and all(
+        isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str) for part in content
+    ):
+        return "".join(part["text"] for part in content)
+    raise InvalidRequestError(
+        'prediction.content: expected a string or a list of {"type": "text", "text": "..."} parts.',
+        param="prediction.content",
+    )
+
+
+def speculation_usage(stats: Sequence[SpeculationStats | None]) -> dict[str, Any]:
+    """The usage fields of the choices' speculative decoding: ``completion_tokens_details``' accepted and
+    rejected prediction tokens, and the ``speculation`` extension; none when no choice speculated."""
+    used = [s for s in stats if s is not None]
+    if not used:
+        return {}
+    drafted, accepted = sum(s.drafted for s in used), sum(s.accepted for s in used)
+    return {
+        "completion_tokens_details": CompletionTokensDetails(
+            accepted_prediction_tokens=accepted, rejected_prediction_tokens=drafted - accepted
+        ),
+        "speculation": SpeculationUsage(
+            drafter=",".join(sorted({s.drafter for s in used})),
+            drafted_tokens=drafted,
+            accepted_tokens=accepted,
+            steps=sum(s.steps for s in used),
+        ),
+    }
 
 
 class CachedTokensUsage:
@@ -193,21 +240,25 @@ class CachedTokensUsage:
     def __init__(self, inner: ChunkBuilder):
         self.inner = inner
         self.cached: dict[int, int] = {}
+        self.speculation: dict[int, SpeculationStats | None] = {}
 
     def opening(self) -> list[str]:
         return self.inner.opening()
 
     def frames(self, delta: Delta) -> list[str]:
         self.cached[delta.index] = delta.cached_tokens
+        self.speculation[delta.index] = delta.speculation
         return self.inner.frames(delta)
 
     def usage(self) -> str | None:
         frame = self.inner.usage()
         cached = sum(self.cached.values())
-        if frame is None or not cached:
+        speculation = speculation_usage(list(self.speculation.values()))
+        if frame is None or not (cached or speculation):
             return frame
         chunk = json.loads(frame)
         chunk["usage"]["prompt_tokens_details"] = PromptTokensDetails(cached_tokens=cached).model_dump()
+        chunk["usage"].update({k: v.model_dump() for k, v in speculation.items()})
         return json.dumps(chunk, separators=(",", ":"), ensure_ascii=False)
 
 

@@ -42,6 +42,7 @@ from gateway.request_parts import (
     check_stream_options,
     count_choices,
     ignored_fields,
+    prediction_text,
     sampling_params,
     session_key,
     stop_list,
@@ -77,6 +78,8 @@ async def create_chat_completion(engine: Engine, req: ChatCompletionRequest, req
     stop = stop_list(req.stop)
     grammar = await _chat_grammar(engine, req, tools)
     keep_special = tools is not None and await engine.special_token_id(fmt.opener or "<|python_tag|>") is not None
+    engine.speculators.check(req.speculation)
+    reference = await engine.prediction_ids(prediction_text(req.prediction))
     specs = [
         ChoiceSpec(
             i,
@@ -86,6 +89,8 @@ async def create_chat_completion(engine: Engine, req: ChatCompletionRequest, req
             stop,
             top_k,
             keep_special_tokens=keep_special,
+            speculation=req.speculation or "auto",
+            reference_ids=reference,
         )
         for i in range(n)
     ]
@@ -150,6 +155,7 @@ async def create_completion(engine: Engine, req: CompletionRequest, request: Req
     stop = stop_list(req.stop)
     k = req.logprobs
     grammar = await engine.structured.compile(req.response_format)
+    engine.speculators.check(req.speculation)
 
     specs: list[ChoiceSpec] = []
     for p, (ids, _) in enumerate(prompts):
@@ -166,6 +172,7 @@ async def create_completion(engine: Engine, req: CompletionRequest, request: Req
                     stop,
                     k,
                     prompt_logprobs=bool(req.echo) and k is not None,
+                    speculation=req.speculation or "auto",
                 )
             )
     prompt_tokens = sum(len(ids) for ids, _ in prompts)
@@ -227,8 +234,6 @@ def _reject_unsupported_chat(req: ChatCompletionRequest) -> None:
         raise UnsupportedParameterError("audio", "is not supported by this model")
     if req.modalities is not None and req.modalities != ["text"]:
         raise UnsupportedParameterError("modalities", "supports only ['text'] on this model")
-    if req.prediction is not None:
-        raise UnsupportedParameterError("prediction", "is not supported by this server")
     if req.reasoning_effort is not None:
         raise UnsupportedParameterError("reasoning_effort", "is not supported with this model")
 

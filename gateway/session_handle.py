@@ -63,15 +63,15 @@ class ReusableSession:
     def token_ids(self) -> list[int]:
         return self.inner.token_ids
 
-    def step(self, token_ids: list[int]) -> torch.Tensor:
+    def step(self, token_ids: list[int], all_logits: bool = False) -> torch.Tensor:
         try:
-            return self.inner.step(token_ids)
+            return self.inner.step(token_ids, all_logits) if all_logits else self.inner.step(token_ids)
         except SessionLost as exc:
             if not self.resumed:
                 raise
-            return self.recover(token_ids, exc)
+            return self.recover(token_ids, exc, all_logits)
 
-    def recover(self, token_ids: list[int], lost: SessionLost) -> torch.Tensor:
+    def recover(self, token_ids: list[int], lost: SessionLost, all_logits: bool = False) -> torch.Tensor:
         """The servers lost this resumed session at a step of ``token_ids``: re-prefill a fresh one."""
         held = list(self.inner.token_ids)
         with contextlib.suppress(Exception):
@@ -81,7 +81,9 @@ class ReusableSession:
         )
         self.inner = self.backend.open_session(self.max_length)
         self.resumed, self.restarted = False, True
-        return self.inner.step(held + list(token_ids))
+        if not all_logits:
+            return self.inner.step(held + list(token_ids))
+        return self.inner.step(held + list(token_ids), True)[-len(token_ids) :]
 
     def rollback(self, position: int) -> None:
         self.inner.rollback(position)

@@ -33,6 +33,15 @@ class GatewaySettings(BaseSettings):
     #: run the next-token steps of all choices decoding at once as one call (backends with ``step_many``:
     #: the swarm); False: every choice steps in a thread of its own (gateway/decode_batch.py)
     batch_decode: bool = True
+    #: speculative decoding (gateway/speculation.py): ``auto`` drafts with ``draft_model`` when set, else by
+    #: prompt lookup, sending guesses only while they pay; ``off``: only requests that ask for it guess
+    speculation: Literal["auto", "off", "prompt_lookup", "draft_model"] = "auto"
+    #: most guesses one step carries (fewer where the measured acceptance and step costs say so)
+    max_draft_tokens: int = Field(default=8, ge=1, le=16)
+    #: a small local 🤗 causal LM with the served model's tokenizer that drafts; the served model's own path
+    #: with ``draft_layers`` is self-speculation (its first layers + its head)
+    draft_model: str | None = None
+    draft_layers: int | None = Field(default=None, ge=1)
     #: what a 503 tells the client to wait before retrying
     retry_after_s: int = Field(default=5, ge=0)
     #: how long a request waits in line for room when every server is full (gateway/capacity_queue.py)

@@ -87,11 +87,11 @@ class SwarmSession:
         the first step, the route ``open_session`` planned."""
         return self.inner.route or list(self.planned_route)
 
-    def step(self, token_ids: list[int]) -> torch.Tensor:
+    def step(self, token_ids: list[int], all_logits: bool = False) -> torch.Tensor:
         hidden = self._embed(token_ids)
         with torch.inference_mode(), _as_swarm_errors():
             out = self.inner.step(hidden, position=self.position)  # [1, T, H]
-        return self._finish(token_ids, hidden, out)
+        return self._finish(token_ids, hidden, out, all_logits)
 
     def _embed(self, token_ids: list[int]) -> torch.Tensor:
         """Check a step and embed its tokens: ``[1, T, H]``."""
@@ -105,12 +105,15 @@ class SwarmSession:
         with torch.inference_mode():
             return self.backend.model.head.embed(input_ids).float()
 
-    def _finish(self, token_ids: list[int], hidden: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        """The last position's logits ``[vocab]`` from the blocks' output; the tokens now count as held."""
+    def _finish(
+        self, token_ids: list[int], hidden: torch.Tensor, out: torch.Tensor, all_logits: bool = False
+    ) -> torch.Tensor:
+        """The last position's logits ``[vocab]`` from the blocks' output (``all_logits``: every position's,
+        ``[T, vocab]``, as speculative decoding needs); the tokens now count as held."""
         with torch.inference_mode():
-            logits = self.backend.model.head.final(out[:, -1:].to(hidden.dtype))  # [1, 1, vocab]
+            logits = self.backend.model.head.final((out if all_logits else out[:, -1:]).to(hidden.dtype))
         self.token_ids.extend(token_ids)
-        return logits[0, -1].float()
+        return logits[0].float() if all_logits else logits[0, -1].float()
 
     def rollback(self, position: int) -> None:
         if not 0 <= position <= self.position:
@@ -186,6 +189,8 @@ class SwarmBackend:
 
     #: sessions can be detached and resumed (gateway/backend.py)
     supports_resume = True
+    #: ``step(..., all_logits=True)`` gives every position's logits (speculative decoding)
+    supports_all_logits = True
 
     @property
     def manager(self) -> Any:
@@ -247,6 +252,7 @@ class SwarmBackend:
         sessions: Sequence[SwarmSession],
         token_ids: Sequence[list[int]],
         on_ready: Callable[[list[tuple[int, torch.Tensor | BaseException]]], None] | None = None,
+        all_logits: bool = False,
     ) -> list[torch.Tensor | BaseException]:
         """One step of several sessions in one call: their swarm steps run concurrently on the client's I/O
         loop (the servers batch them), everything else exactly as ``SwarmSession.step``, so the logits are
@@ -274,7 +280,7 @@ class SwarmBackend:
             if isinstance(out, BaseException):
                 return _swarm_error(out)
             try:
-                return sessions[i]._finish(token_ids[i], ready[i], out)
+                return sessions[i]._finish(token_ids[i], ready[i], out, all_logits)
             except Exception as e:
                 return e
 

@@ -159,7 +159,7 @@ class InstrumentedSession:
     def token_ids(self) -> list[int]:
         return self.inner.token_ids
 
-    def step(self, token_ids: list[int]) -> torch.Tensor:
+    def step(self, token_ids: list[int], all_logits: bool = False) -> torch.Tensor:
         owner = self.owner
         with owner.lock:
             if self.closed:
@@ -170,7 +170,7 @@ class InstrumentedSession:
             raise RuntimeError("injected failure in step()")
         if owner.step_delay_s:
             time.sleep(owner.step_delay_s)
-        return self.inner.step(token_ids)
+        return self.inner.step(token_ids, all_logits) if all_logits else self.inner.step(token_ids)
 
     def rollback(self, position: int) -> None:
         self.inner.rollback(position)
@@ -185,10 +185,12 @@ class InstrumentedSession:
 
 
 class InstrumentedBackend:
-    """A ``ModelBackend`` around another one: counts sessions and steps; can delay or fail steps."""
+    """A ``ModelBackend`` around another one: counts sessions and steps; can delay or fail steps. With
+    ``speculate``, its sessions pass ``all_logits`` on, so the engine may decode speculatively."""
 
-    def __init__(self, inner: Any):
+    def __init__(self, inner: Any, speculate: bool = False):
         self.inner = inner
+        self.supports_all_logits = speculate and bool(getattr(inner, "supports_all_logits", False))
         self.model_id = inner.model_id
         self.tokenizer = inner.tokenizer
         self.max_context = inner.max_context

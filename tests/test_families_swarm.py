@@ -8,6 +8,7 @@ Forward logits agree within 1e-4 in float32, greedy tokens exactly.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterator
 from typing import Any
 
@@ -34,6 +35,7 @@ def served(request, tmp_path_factory) -> Iterator[tuple[Any, Any]]:
     with Swarm(model_dir) as s:
         wait_ready([s.add_worker(blocks=span, wait=False) for span in ("0:2", "2:4")], timeout=120.0)
         dist = AutoDistributedModelForCausalLM.from_pretrained(model_dir, initial_peers=[s.initial_peers])
+        dist.served_from = (model_dir, s.initial_peers)  # for the gateway engine's checks below
         try:
             yield dist, local
         finally:
@@ -43,6 +45,52 @@ def served(request, tmp_path_factory) -> Iterator[tuple[Any, Any]]:
 def _ids(config: Any, batch: int, length: int, seed: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(0, config.vocab_size, (batch, length), generator=g)
+
+
+def _engine_results(engine: Any, specs: list[Any]) -> list[Any]:
+    async def go() -> list[Any]:
+        return await (await engine.start(specs)).collect()
+
+    return asyncio.run(go())
+
+
+def test_gateway_speculation_is_exact(served) -> None:
+    """The gateway's engine over this swarm: greedy tokens with guesses (prompt lookup from a prediction wrong
+    at every fourth token; self-speculation with the model's first layer + its head) equal the local 🤗
+    model's, with the guessing and the plain choice of one request batched into the same steps
+    (``step_many`` mixing one- and many-token steps, rolled back on both servers)."""
+    from gateway.choices import ChoiceSpec
+    from gateway.engine import Engine
+    from gateway.sampling import SamplingParams
+    from gateway.settings import GatewaySettings
+    from gateway.swarm_backend import SwarmBackend
+
+    dist, local = served
+    model_dir, peers = dist.served_from
+    prompt = [int(t) for t in _ids(local.config, 1, 5, seed=3)[0]] * 3  # repeated: prompt lookup finds guesses
+    expected = local.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False)[0, len(prompt) :].tolist()
+    backend = SwarmBackend(model_dir, [peers])
+    settings = GatewaySettings(model=model_dir, draft_model=model_dir, draft_layers=1, max_draft_tokens=4)
+    engine = Engine(backend, settings)
+    try:
+        greedy = SamplingParams(temperature=0.0)
+        modes = ["off", "prompt_lookup", "draft_model"]
+        noisy = [t if i % 4 else (t + 1) % local.config.vocab_size for i, t in enumerate(expected)]  # a prediction
+        specs = [
+            ChoiceSpec(i, prompt, 24, greedy, logprobs=0, speculation=m, reference_ids=noisy)
+            for i, m in enumerate(modes)
+        ]
+        results = _engine_results(engine, specs)
+        ends = [i for i, t in enumerate(expected) if t in engine.eos_ids]
+        expected = expected[: ends[0]] if ends else expected  # the engine stops at EOS and reports no logprob for it
+        for r in results:
+            assert [lp.token_id for lp in r.logprobs] == expected, r.speculation
+        stats = [r.speculation for r in results]
+        assert stats[1].accepted > 0 and stats[1].accepted < stats[1].drafted, stats
+        assert stats[2].drafted > 0, stats
+    finally:
+        engine.close()
+        backend.close()
 
 
 def test_forward_logits_match_local(served) -> None:

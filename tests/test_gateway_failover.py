@@ -40,26 +40,40 @@ def failover_swarm(tiny_llama: str) -> Iterator[Swarm]:
 @pytest.fixture(scope="module")
 def gw(failover_swarm: Swarm, tiny_llama: str) -> Iterator[Gateway]:
     inner = SwarmBackend(tiny_llama, [failover_swarm.initial_peers], update_period=0.5, failover_deadline=60)
-    gateway = start_gateway(InstrumentedBackend(inner))
+    gateway = start_gateway(InstrumentedBackend(inner, speculate=True))
     yield gateway
     gateway.server.stop()
     inner.close()
 
 
 def test_sigkill_of_the_middle_server_mid_stream_keeps_the_text(gw: Gateway, failover_swarm: Swarm) -> None:
+    """Mid-speculation too: the reference decodes plainly, the stream with guesses copied from a prediction
+    wrong at every third token (steps of several tokens, rolled back on every server of the chain, replayed
+    into the spare)."""
     backend: InstrumentedBackend = gw.backend
     swarm_backend: SwarmBackend = backend.inner
     client = gw.client(timeout=120)
-    reference = client.chat.completions.create(model=gw.model, **KW)
+    reference = client.chat.completions.create(model=gw.model, extra_body={"speculation": "off"}, **KW)
     expected = reference.choices[0].message.content
     assert reference.usage.completion_tokens >= 10, reference  # enough tokens left after the kill
 
+    answer = swarm_backend.tokenizer(expected, add_special_tokens=False)["input_ids"]
+    noisy = [t if i % 3 else (t + 7) % len(swarm_backend.tokenizer) for i, t in enumerate(answer)]
+    prediction = {"type": "content", "content": swarm_backend.tokenizer.decode(noisy)}
+
     middles = [w for w in failover_swarm.workers if f"serving blocks {MIDDLE} " in " ".join(w.lines)]
     assert len(middles) == 2
-    text, chunks, finishes, killed = "", 0, [], None
+    text, chunks, finishes, killed, usage = "", 0, [], None, None
     with backend.tweaked(step_delay_s=0.05):
-        stream = client.chat.completions.create(model=gw.model, stream=True, **KW)
+        stream = client.chat.completions.create(
+            model=gw.model,
+            stream=True,
+            stream_options={"include_usage": True},
+            prediction=prediction,
+            **KW,
+        )
         for chunk in stream:
+            usage = chunk.usage or usage
             for choice in chunk.choices:
                 text += choice.delta.content or ""
                 if choice.finish_reason is not None:
@@ -74,6 +88,7 @@ def test_sigkill_of_the_middle_server_mid_stream_keeps_the_text(gw: Gateway, fai
     assert killed is not None, "the stream ended before the kill"
     assert finishes == [reference.choices[0].finish_reason]
     assert text == expected
+    assert usage is not None and usage.model_extra["speculation"]["accepted_tokens"] > 0, usage
     # the rest of the stream really went through the spare, after replaying the history into it
     assert swarm_backend.server_info(survivor.peer_id)["tokens_processed"] > survivor_tokens
     assert backend.wait_all_closed()

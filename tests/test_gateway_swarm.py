@@ -173,6 +173,50 @@ def test_concurrent_chats_are_decoded_together_and_exact(
     assert set(decoder._groups) == ({None} if groups == 1 else {0, 1})
 
 
+REPEATS = [{"role": "user", "content": "one two three four five, one two three four five, one two three four"}]
+
+
+def test_speculation_over_the_swarm_is_exact_and_reported(swarm_gw: Gateway, client: openai.OpenAI) -> None:
+    """Speculative decoding through the OpenAI API (gateway/speculation.py): with prompt-lookup guesses and
+    with a ``prediction``, greedy text and logprobs equal plain decoding's, streamed and not; usage reports
+    the guesses (``completion_tokens_details`` + the ``speculation`` extension) and ``/metrics`` counts them."""
+    kw = dict(model=swarm_gw.model, messages=REPEATS, max_tokens=40, temperature=0, logprobs=True)
+    plain = client.chat.completions.create(extra_body={"speculation": "off"}, **kw)
+    guessed = client.chat.completions.create(extra_body={"speculation": "prompt_lookup"}, **kw)
+    answer = plain.choices[0].message.content
+    assert guessed.choices[0].message.content == answer
+    tokens = [e.token for e in plain.choices[0].logprobs.content]
+    assert [e.token for e in guessed.choices[0].logprobs.content] == tokens
+    assert plain.usage.completion_tokens_details is None and not (plain.usage.model_extra or {}).get("speculation")
+    spec = guessed.usage.model_extra["speculation"]
+    details = guessed.usage.completion_tokens_details
+    assert spec["drafter"] == "prompt_lookup" and spec["drafted_tokens"] > 0
+    assert details.accepted_prediction_tokens == spec["accepted_tokens"]
+    assert details.rejected_prediction_tokens == spec["drafted_tokens"] - spec["accepted_tokens"]
+
+    # the answer as OpenAI's predicted output: most of it is accepted, nothing changes
+    predicted = client.chat.completions.create(prediction={"type": "content", "content": answer}, **kw)
+    assert predicted.choices[0].message.content == answer
+    assert predicted.usage.completion_tokens_details.accepted_prediction_tokens >= len(tokens) // 2
+
+    texts, _, usage_chunks = collect_stream(
+        client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kw)
+    )
+    assert texts[0] == answer
+    (streamed,) = [chunk.usage for chunk in usage_chunks]
+    assert streamed.model_extra["speculation"]["drafted_tokens"] > 0
+
+    with swarm_gw.http() as http:
+        metrics = http.get("/metrics").text
+        assert "swarmserve_speculation_accepted_tokens_total" in metrics
+        bad = http.post("/v1/chat/completions", json={**kw, "speculation": "draft_model"})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "speculation", bad.text
+        bad = http.post("/v1/chat/completions", json={**kw, "speculation": "sometimes"})
+        assert bad.status_code == 400, bad.text
+        bad = http.post("/v1/chat/completions", json={**kw, "prediction": {"type": "content", "content": 3}})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "prediction.content", bad.text
+
+
 def test_health_and_swarm_state(swarm_gw: Gateway, the_swarm: Swarm) -> None:
     with swarm_gw.http() as http:
         health = http.get("/health")
@@ -316,3 +360,4 @@ def test_missing_span_is_a_503_naming_the_blocks(swarm_gw: Gateway, the_swarm: S
         assert payload["code"] == "no_route"
         assert "2..3" in payload["message"] or "2-3" in payload["message"], payload
     assert swarm_gw.backend.open_sessions == 0
+

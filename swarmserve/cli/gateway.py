@@ -28,6 +28,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "the swarm serves the rest (default: none)",
     )
     p.add_argument("--device", default="cpu", help="device of the --local-blocks: cpu, cuda or cuda:N")
+    add_speculation_flags(p)
     add_limit_flags(p)
     p.set_defaults(func=run)
 
@@ -111,6 +112,41 @@ def client_options(args: argparse.Namespace, settings: Any = None) -> dict[str, 
     return options
 
 
+def add_speculation_flags(p: argparse.ArgumentParser) -> None:
+    """Speculative decoding at the head (gateway/speculation.py); unset flags leave the env / defaults."""
+    g = p.add_argument_group("speculative decoding")
+    g.add_argument(
+        "--speculation",
+        choices=("auto", "off", "prompt-lookup", "draft-model"),
+        default=None,
+        help="guess several tokens and check them in one trip along the chain, exactly (the same tokens as "
+        "without): auto (default) uses --draft-model when given, else prompt lookup, and guesses only while "
+        "it pays; off: only requests that ask (their 'speculation' field)",
+    )
+    g.add_argument(
+        "--draft-model",
+        default=None,
+        metavar="PATH",
+        help="a small local 🤗 causal LM with the served model's tokenizer that drafts; the served model's own "
+        "path with --draft-layers N is self-speculation (its first N layers + its head)",
+    )
+    g.add_argument("--draft-layers", type=int, default=None, metavar="N", help="keep the draft model's first N layers")
+    g.add_argument(
+        "--max-draft-tokens", type=int, default=None, metavar="K", help="most guesses per step, 1-16 (default 8)"
+    )
+
+
+def speculation_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """The ``GatewaySettings`` speculation fields of the flags given on the command line."""
+    fields = {
+        "speculation": None if args.speculation is None else args.speculation.replace("-", "_"),
+        "draft_model": args.draft_model,
+        "draft_layers": args.draft_layers,
+        "max_draft_tokens": args.max_draft_tokens,
+    }
+    return {k: v for k, v in fields.items() if v is not None}
+
+
 def add_limit_flags(p: argparse.ArgumentParser) -> None:
     """Access control and limits of the gateway; unset flags leave the ``SWARMSERVE_*`` env / defaults."""
     g = p.add_argument_group("access control and limits")
@@ -151,6 +187,7 @@ def run(args: argparse.Namespace, rest: list[str]) -> int:
         initial_peers=parse_initial_peers(args.initial_peers),
         **limit_settings(args),
         **trust_settings(args),
+        **speculation_settings(args),
     )
     cfg = GatewayConfig(
         settings, model_id=args.model_id, dht_prefix=args.dht_prefix, client_options=client_options(args, settings)

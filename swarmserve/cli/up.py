@@ -16,7 +16,15 @@ import time
 from pathlib import Path
 
 from swarmserve.cli.common import DEFAULT_MODEL, add_listen_flags, require_gateway_extra, stop_on_signals, subcommand
-from swarmserve.cli.gateway import add_client_flags, add_limit_flags, client_options, limit_settings, trust_settings
+from swarmserve.cli.gateway import (
+    add_client_flags,
+    add_limit_flags,
+    add_speculation_flags,
+    client_options,
+    limit_settings,
+    speculation_settings,
+    trust_settings,
+)
 from swarmserve.cli.worker import DTYPES
 
 UP_PREFIX = "swarmserve up:"
@@ -36,6 +44,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--grace", type=float, default=15.0, help="seconds a worker may drain before it is killed")
     p.add_argument("-v", "--verbose", action="store_true", help="echo the workers' logs")
     add_client_flags(p)
+    add_speculation_flags(p)
     add_limit_flags(p)
     p.set_defaults(func=run)
 
@@ -148,6 +157,7 @@ def _serve(args: argparse.Namespace, swarm, stop) -> int:
         initial_peers=swarm.maddrs,
         **limit_settings(args),
         **trust_settings(args),
+        **speculation_settings(args),
     )
     if settings.trusted_peers:
         say(f"trust policy: only {', '.join(settings.trusted_peers)} may serve the first and the last block")
