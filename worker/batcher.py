@@ -28,6 +28,9 @@ import torch
 from worker.batch_policy import ArrivalPredictor, BatchCosts, plan_wait
 from worker.compute import SpanRunner, StepItem
 
+#: the longest step that counts as a decode step: a token and up to 16 guesses (gateway/speculation.py)
+DECODE_STEP_MAX_TOKENS = 17
+
 
 class StepBatcher:
     def __init__(
@@ -65,7 +68,8 @@ class StepBatcher:
 
     async def submit(self, item: StepItem) -> torch.Tensor:
         self._groups[item.cache.session_id] = item.cache.batch_group
-        if self.runner.can_batch(item) and item.hidden.shape[1] == 1:  # decode steps set the session's pace
+        # decode steps set the session's pace: one token, or a few (a speculative step's guesses)
+        if self.runner.can_batch(item) and item.hidden.shape[1] <= DECODE_STEP_MAX_TOKENS:
             self.arrivals.arrived(item.cache.session_id, item.hidden.shape[0])
         small = _tokens(item) <= 8  # never block the loop on a long prefill
         if small and self.single_stream is not None and self.single_stream() and not self._pending and self._idle():
