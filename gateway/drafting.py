@@ -48,6 +48,10 @@ class Drafter(Protocol):
 
 # ------------------------------------------------------------------------------------------ prompt lookup
 
+#: the most context tokens indexed at once (a rebuild indexes the last ones): bounds the index's memory and the
+#: first call's time (≈ 10 µs a token) for a choice with a very long prompt; what follows is indexed as it comes
+MAX_INDEXED_TOKENS = 32768
+
 #: how many of the previous context's last tokens must reappear in a new context for it to count as an
 #: extension (checking them all would make every call O(context))
 _TAIL_CHECK = 16
@@ -74,11 +78,8 @@ class PromptLookupDrafter:
         self.max_ngram = max_ngram
         self.min_ngram = min_ngram
         self._reference = list(reference_ids)
-        self._reference_index: dict[int, int] = {}
-        # first occurrence wins: index last to first, so earlier ends overwrite later ones
-        for n in self._ngram_sizes():
-            ends = _ngram_ends(self._reference, n, n, len(self._reference) - 1)
-            self._reference_index.update(reversed(list(ends)))
+        #: built by the first ``propose`` (the engine primes the drafter in a worker thread, never on its loop)
+        self._reference_index: dict[int, int] | None = None
         self._tokens: list[int] = []  # the context the index describes
         self._index: dict[int, int] = {}
         #: work done, for tests and metrics: end positions indexed (per n-gram size) and full rebuilds
@@ -88,8 +89,18 @@ class PromptLookupDrafter:
     def _ngram_sizes(self) -> range:
         return range(self.max_ngram, self.min_ngram - 1, -1)
 
+    def _index_reference(self) -> dict[int, int]:
+        if self._reference_index is None:
+            self._reference_index = {}
+            # first occurrence wins: index last to first, so earlier ends overwrite later ones
+            for n in self._ngram_sizes():
+                ends = _ngram_ends(self._reference, n, n, len(self._reference) - 1)
+                self._reference_index.update(reversed(list(ends)))
+        return self._reference_index
+
     def propose(self, context: Sequence[int], k: int) -> list[int]:
         self._sync(context)
+        reference_index = self._index_reference()
         tokens = self._tokens
         if k <= 0 or not tokens:
             return []
@@ -101,7 +112,7 @@ class PromptLookupDrafter:
             end = self._index.get(key)
             if end is not None and tokens[end - n : end] == suffix:
                 return tokens[end : end + k]
-            end = self._reference_index.get(key)
+            end = reference_index.get(key)
             if end is not None and self._reference[end - n : end] == suffix:
                 return self._reference[end : end + k]
         return []
@@ -116,11 +127,13 @@ class PromptLookupDrafter:
         if len(context) == old:
             return
         self._tokens.extend(context[old:])
-        # n-grams ending at old..len-1 now have a token after them (the first call: at 1..len-1)
+        # n-grams ending at old..len-1 now have a token after them (the first call: at 1..len-1, or only the
+        # last MAX_INDEXED_TOKENS of a longer context)
         last = len(self._tokens) - 1
+        start = max(old, len(self._tokens) - MAX_INDEXED_TOKENS) if old == 0 else old
         for n in self._ngram_sizes():
-            self._index.update(_ngram_ends(self._tokens, n, max(old, n), last))
-            self.positions_indexed += max(0, last - max(old, n) + 1)
+            self._index.update(_ngram_ends(self._tokens, n, max(start, n), last))
+            self.positions_indexed += max(0, last - max(start, n) + 1)
 
     def close(self) -> None:
         self._tokens, self._index = [], {}
@@ -228,9 +241,14 @@ class ModelDrafter:
     def propose(self, context: Sequence[int], k: int) -> list[int]:
         if self.closed or self._cache is None:
             raise RuntimeError("propose() on a closed drafter")
+        if not context:
+            return []
+        if k <= 0:  # priming: run all but the context's last token now, so the next call has little to do
+            self._run_up_to(list(context), len(context) - 1)
+            return []
         if self.draft.max_positions is not None:
             k = min(k, self.draft.max_positions - len(context))
-        if k <= 0 or not context:
+        if k <= 0:
             return []
         context = list(context)
         # keep what still agrees with the context, but rerun at least its last token: its logits come next
@@ -246,6 +264,17 @@ class ModelDrafter:
             self._reset()  # a forward that failed may have written some layers' cache and not others
             raise
         return drafts
+
+    def _run_up_to(self, context: list[int], end: int) -> None:
+        """Have the cache hold exactly ``context[:end]``."""
+        keep = self._rollback(min(_common_prefix(self._tokens, context), end))
+        try:
+            with torch.inference_mode():
+                for start in range(keep, end, _PREFILL_CHUNK):
+                    self._forward(context[start : min(start + _PREFILL_CHUNK, end)])
+        except BaseException:
+            self._reset()
+            raise
 
     def _forward(self, token_ids: list[int]) -> torch.Tensor:
         """Run ``token_ids`` after the cached tokens; the logits after the last one ([vocab])."""

@@ -297,6 +297,7 @@ class Engine(PromptRules):
         still turn out to be a stop string). Closes the session however it ends."""
         produced = reused = 0
         speculator: ChoiceSpeculator | None = None
+        priming: asyncio.Future | None = None
         try:
             session = handle.session
             assert session is not None
@@ -309,7 +310,11 @@ class Engine(PromptRules):
             pending: list[TokenLogprob] = []  # logprobs of tokens whose text is not out yet
             text, produced = "", 0
             finish: FinishReason = "length"
+            if speculator is not None:  # the drafter reads the prompt while the servers prefill it
+                priming = asyncio.get_running_loop().run_in_executor(self.executor, speculator.prime)
             first, lp, prompt_lps, reused = await handle.call(self._first_token, session, spec, sampler)
+            if priming is not None:
+                await priming
             tokens = [(first, lp)]
             clock = self._token_clock(handle.opened_at, first=True)
             ended = False
@@ -369,8 +374,8 @@ class Engine(PromptRules):
                 self.metrics.observe_usage(len(spec.prompt_ids), produced, cached)
                 if speculator is not None:
                     self.metrics.observe_speculation(speculator.stats)
-            if speculator is not None:
-                speculator.close()
+            if speculator is not None and (priming is None or priming.done()):
+                speculator.close()  # (a drafter still priming is dropped instead: its thread still reads it)
             await handle.aclose()
             self.capacity.released()
 

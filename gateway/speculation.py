@@ -218,6 +218,18 @@ class ChoiceSpeculator:
         self.context.extend(tokens)
         self.room -= len(tokens)
 
+    def prime(self) -> None:
+        """Let the drafter read the prompt (index it, or run it through a draft model) ahead of the first
+        decode step: a long prompt's work then happens beside the prefill, in a thread of the choice's own,
+        not in the batch thread every choice's decode step waits on."""
+        if self._failed:
+            return
+        try:
+            self.drafter.propose(self.context, 0)
+        except Exception:
+            logger.exception("the %s drafter failed; this choice decodes without guesses", self.drafter.name)
+            self._failed = True
+
     def drafts(self) -> list[int]:
         """The guesses to send with the next step (feeding the last emitted token): as many as pay, never
         more than the choice may still emit after that token. A drafter that fails is not asked again."""

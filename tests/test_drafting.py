@@ -101,7 +101,7 @@ def test_long_context_indexes_each_token_once() -> None:
     stream = [rng.randrange(2000) for _ in range(200_000)]
     stream[-50:] = stream[1000:1050]  # a copied passage at the end
     drafter = PromptLookupDrafter()
-    context = stream[:150_000]
+    context = stream[:20_000]  # within MAX_INDEXED_TOKENS: all of it indexed
     drafter.propose(context, 8)
     calls = 0
     while len(context) < len(stream):  # decode-like growth: a few tokens per call, into the same list
@@ -113,8 +113,23 @@ def test_long_context_indexes_each_token_once() -> None:
     # every end position indexed once per n-gram size, however many calls it took
     assert drafter.positions_indexed == sum(len(stream) - n for n in range(1, 5))
     assert drafter.rebuilds == 0
-    assert drafter.propose(stream[:-8], 8) == stream[1042:1050]  # shorter: not an extension
+    drafter.propose(stream[:-8], 8)  # shorter: not an extension
     assert drafter.rebuilds == 1
+
+
+def test_a_long_prompt_indexes_only_its_last_tokens() -> None:
+    """A 100k-token first context indexes its last MAX_INDEXED_TOKENS only (bounded memory and first-call
+    time); a passage copied from inside that window is still found, one from before it is not."""
+    from gateway.drafting import MAX_INDEXED_TOKENS
+
+    rng = random.Random(2)
+    stream = [rng.randrange(50_000) for _ in range(100_000)]
+    recent = len(stream) - MAX_INDEXED_TOKENS // 2
+    drafter = PromptLookupDrafter()
+    assert drafter.propose([*stream, *stream[recent : recent + 4]], 3) == stream[recent + 4 : recent + 7]
+    assert drafter.positions_indexed <= 4 * (MAX_INDEXED_TOKENS + 4)
+    old = PromptLookupDrafter()
+    assert old.propose([*stream, *stream[1000:1004]], 3) != stream[1004:1007]  # (a shorter match may exist)
 
 
 def test_drafters_follow_the_protocol() -> None:
@@ -252,3 +267,14 @@ def test_sliding_window_cache_past_its_window(hf_models, tmp_path) -> None:
     assert drafts == greedy(reference, context, 4)
     context = context + drafts[:1] + [(drafts[1] + 1) % reference.config.vocab_size]
     assert drafter.propose(context, 4) == greedy(reference, context, 4)
+
+
+def test_priming_runs_the_context_ahead_and_changes_no_draft(tiny_llama) -> None:
+    """``propose(context, 0)`` (the engine's priming, beside the prefill) runs all but the context's last
+    token through the draft model; the drafts that follow are the unprimed drafter's."""
+    draft = DraftModel.load(tiny_llama)
+    context = list(range(3, 40))
+    primed, fresh = draft.drafter(), draft.drafter()
+    assert primed.propose(context, 0) == []
+    assert primed.cached_tokens == len(context) - 1
+    assert primed.propose(context, 5) == fresh.propose(context, 5)
