@@ -269,9 +269,9 @@ def _reference_from(results) -> list[int]:
 def test_engine_seeded_sampling_matches_plain_sampling(local_backend) -> None:
     """Every token comes from the same sampler call on the same logits as without guesses, so a seeded run
     gives the same tokens (up to float rounding: a longer step's logits may differ in the last bits, which
-    can flip a draw that sits on a boundary — allowed for 1 seed in 20)."""
+    can flip a draw that sits on a boundary — allowed for 2 seeds in 30)."""
     engine = _guessing_engine(local_backend)
-    seeds = range(40)
+    seeds = range(30)
     plain = _run(engine, [_spec(REPETITIVE, 12, "off", i, seed=s, **SAMPLING) for i, s in enumerate(seeds)])
     specs = _with_reference(
         [_spec(REPETITIVE, 12, "prompt_lookup", i, seed=s, **SAMPLING) for i, s in enumerate(seeds)],
@@ -280,10 +280,10 @@ def test_engine_seeded_sampling_matches_plain_sampling(local_backend) -> None:
     guessed, again = _run(engine, specs), _run(engine, specs)
     same = sum(_tokens(a) == _tokens(b) for a, b in zip(plain, guessed, strict=True))
     reproduced = sum(_tokens(a) == _tokens(b) for a, b in zip(guessed, again, strict=True))
-    assert same >= 38 and reproduced >= 38
+    assert same >= 28 and reproduced >= 28
     drafted = sum(r.speculation.drafted for r in guessed)
     accepted = sum(r.speculation.accepted for r in guessed)
-    assert drafted > 40 * 8 and 0 < accepted < drafted, (drafted, accepted)
+    assert drafted > 30 * 8 and 0 < accepted < drafted, (drafted, accepted)
     engine.close()
 
 
@@ -294,7 +294,7 @@ def test_engine_sampling_frequencies_match_plain_sampling(local_backend) -> None
     from scipy.stats import chi2_contingency
 
     engine = _guessing_engine(local_backend)
-    n = 150
+    n = 100
     plain = _run(engine, [_spec(REPETITIVE, 6, "off", i, seed=i, **SAMPLING) for i in range(n)])
     specs = [_spec(REPETITIVE, 6, "prompt_lookup", i, seed=10_000 + i, **SAMPLING) for i in range(n)]
     guessed = _run(engine, _with_reference(specs, _reference_from(plain)))
