@@ -228,6 +228,7 @@ class Engine(PromptRules):
     def _settle(self, item: _DecodeItem, logits: torch.Tensor, seconds: float) -> list[tuple[int, TokenLogprob | None]]:
         """A step's logits → the tokens it yields: one sample, or the verified guesses (gateway/speculation.py)."""
         if item.speculator is None:
+            self.speculators.costs.observe(1, seconds)  # plain choices teach what a one-token step costs too
             return [self._sample(logits, item.sampler, item.k)]
         sampler = item.sampler
         return item.speculator.settle(

@@ -17,16 +17,18 @@ renormalised, which is ``norm(max(0, p − q))``. Drafters here draft greedily, 
 
 How many guesses (``SpeculationPlanner``): a step of ``1 + k`` tokens is worth it when the tokens it is
 expected to yield, ``(1 − α^(k+1)) / (1 − α)`` for a per-guess acceptance rate ``α``, outweigh its cost
-relative to a one-token step. ``α`` is measured per choice (a decaying count, starting from a prior);
-the cost of a longer step is measured by the engine (``StepCosts``): on a CPU server each extra token
-costs compute, on a GPU or over a slow network almost nothing, and the planner picks ``k`` accordingly,
-down to 0 (plain decoding) where guessing does not pay.
+relative to a one-token step, the drafter's own time for ``k`` guesses included (a draft model's are not
+free: one that costs more than it saves turns itself off). ``α`` is measured per choice (a decaying count,
+starting from a prior); the cost of a longer step is measured by the engine (``StepCosts``): on a CPU
+server each extra token costs compute, on a GPU or over a fast network almost nothing, and the planner picks
+``k`` accordingly, down to 0 (plain decoding) where guessing does not pay.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal, TypeVar
@@ -162,6 +164,8 @@ class SpeculationPlanner:
         self._accepted = self.PRIOR_ACCEPTED
         self._trials = self.PRIOR_TRIALS
         self._plain_steps = 0
+        #: what the drafter takes per guess (a moving average; a draft model's guesses are not free)
+        self.draft_seconds_per_guess = 0.0
 
     @property
     def acceptance(self) -> float:
@@ -173,9 +177,11 @@ class SpeculationPlanner:
         maximises expected tokens per unit of step cost (0: plain decoding pays best)."""
         limit = min(self.max_draft, room)
         alpha = min(self.acceptance, 0.99)
+        base = self.costs.base
+        drafting = self.draft_seconds_per_guess / base if base else 0.0  # per guess, in one-token steps
         best, best_rate = 0, 1.0
         for k in range(1, limit + 1):
-            rate = expected_tokens(alpha, k) / self.costs.relative_cost(k)
+            rate = expected_tokens(alpha, k) / (self.costs.relative_cost(k) + k * drafting)
             if rate > best_rate:
                 best, best_rate = k, rate
         if best == 0 and limit > 0:
@@ -184,6 +190,13 @@ class SpeculationPlanner:
                 self._plain_steps = 0
                 return 1
         return best
+
+    def observe_drafting(self, guesses: int, seconds: float) -> None:
+        """The drafter took ``seconds`` to propose ``guesses`` (the planner weighs it against the step's gain)."""
+        if guesses > 0:
+            per_guess = seconds / guesses
+            known = self.draft_seconds_per_guess
+            self.draft_seconds_per_guess = per_guess if not known else known + 0.2 * (per_guess - known)
 
     def observe(self, drafted: int, accepted: int) -> None:
         """A step carried ``drafted`` guesses of which the first ``accepted`` were kept."""
@@ -236,12 +249,15 @@ class ChoiceSpeculator:
         k = 0 if self._failed else self.planner.guesses(self.room - 1)
         if k <= 0:
             return []
+        started = time.perf_counter()
         try:
-            return [int(t) for t in self.drafter.propose(self.context, k)][:k]
+            drafts = [int(t) for t in self.drafter.propose(self.context, k)][:k]
         except Exception:
             logger.exception("the %s drafter failed; this choice decodes without guesses", self.drafter.name)
             self._failed = True
             return []
+        self.planner.observe_drafting(len(drafts), time.perf_counter() - started)
+        return drafts
 
     def settle(
         self,

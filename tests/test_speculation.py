@@ -312,3 +312,24 @@ def test_engine_sampling_frequencies_match_plain_sampling(local_backend) -> None
         if len(counts) > 1:
             assert chi2_contingency(table).pvalue > 1e-3, (position, counts)
     engine.close()
+
+
+def test_a_slow_drafter_turns_itself_off() -> None:
+    """The drafter's own time counts: guesses that take longer to make than the trips they save stop."""
+    costs = StepCosts()
+    costs.observe(1, 0.050)
+    costs.observe(9, 0.051)  # longer steps are free (a slow network)
+    planner = SpeculationPlanner("draft_model", costs, max_draft=8)
+    for _ in range(10):
+        planner.observe(4, 2)  # half the guesses kept
+    assert planner.guesses(room=100) > 0
+    planner.observe_drafting(4, 4 * 0.060)  # but each guess takes more than a whole step
+    assert planner.guesses(room=100) == 0
+
+
+def test_plain_choices_teach_the_one_token_step_cost(local_backend) -> None:
+    engine = _engine(local_backend)
+    assert engine.speculators.costs.base is None
+    _run(engine, [_spec(REPETITIVE, max_tokens=4, speculation="off")])
+    assert engine.speculators.costs.base is not None and engine.speculators.costs.base > 0
+    engine.close()
