@@ -3,11 +3,10 @@ per trip, on loopback and on the emulated WAN of bench_wan.py (scenario ``a``: 2
 
 Chat prompts, greedy: ``summary`` (a ~300-word passage, "summarize it reusing its wording"), ``code`` (a 40-line
 function, "rename ``x`` to ``count``, return the whole function"), ``chat`` (3 turns; the last asks to quote an
-earlier answer with one change). Modes:
-``off``; ``auto`` (the gateway's defaults: prompt lookup, ``--max-draft-tokens 8``); ``auto+prediction``
-(code only: OpenAI's ``prediction`` = the original function); ``self-N`` (``--draft-model`` = the served
-model with ``--draft-layers N``: self-speculation). ``off``/``auto`` share one engine with the default
-``GatewaySettings`` (one ``StepCosts``, as in a real gateway); each ``self-N`` has its own.
+earlier answer with one change). Modes: ``off``; ``auto`` (the gateway's defaults: prompt lookup, at most 8
+guesses); ``auto+prediction`` (code only: OpenAI's ``prediction`` = the original function); ``self-N``
+(``--draft-model`` = the served model with ``--draft-layers N``: self-speculation). ``off``/``auto`` share one
+engine with the default ``GatewaySettings`` (one ``StepCosts``, as in a real gateway); each ``self-N`` its own.
 
 The driver (``client`` subcommand) is one process holding a ``SwarmBackend`` and those ``Engine``s, driven
 through ``engine.start([ChoiceSpec])`` and its deltas (no HTTP); on the WAN it runs in the lab's client host,
@@ -166,7 +165,7 @@ def wan(name: str, model: str, args: argparse.Namespace) -> dict:
     from tests.netlab import NetLab
 
     hosts, pairs = SCENARIOS[name]
-    with NetLab() as lab:
+    with NetLab(keep_tcp_window=args.keep_tcp_window) as lab:
         ns = {h: lab.host(h, ip) for h, ip in HOSTS.items()}
         dht = lab.spawn(ns["dht"], "dht", ["dht", "--host", HOSTS["dht"], "--port", "31337", "--model", model], ENV)
         maddr = dht.wait_for(DHT_READY, timeout=120).split(DHT_READY, 1)[1].strip()
@@ -270,6 +269,7 @@ def main() -> int:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--draft-layers", default="24", help="self-speculation modes: comma-separated layer counts")
     parser.add_argument("--out-prefix", default="load_tests/results/speculation-2026-12-06")
+    parser.add_argument("--keep-tcp-window", action="store_true", help="lab hosts: tcp_slow_start_after_idle=0")
     if len(sys.argv) > 1 and sys.argv[1] == "client":
         result = client_main(sys.argv[2], sys.argv[3], json.loads(sys.argv[4]))
         print("RESULT " + json.dumps(result), flush=True)

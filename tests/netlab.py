@@ -105,7 +105,11 @@ def sweep_stale() -> None:
 
 
 class NetLab:
-    def __init__(self, subnet: str = "10.231.0") -> None:
+    def __init__(self, subnet: str = "10.231.0", keep_tcp_window: bool = False) -> None:
+        """``keep_tcp_window``: hosts do not shrink a TCP connection's window back to slow start after an idle
+        gap (``net.ipv4.tcp_slow_start_after_idle=0``, a usual tuning for long-lived connections; Linux's
+        default restarts slow start, so a step of several tokens after a pause pays extra round trips)."""
+        self.keep_tcp_window = keep_tcp_window
         reason = unavailable()
         if reason:
             raise RuntimeError(reason)
@@ -140,6 +144,8 @@ class NetLab:
         _run("ip", "netns", "add", ns)
         self.namespaces.append(ns)
         _run("ip", "-n", ns, "link", "set", "lo", "up")
+        if self.keep_tcp_window:
+            _run("ip", "netns", "exec", ns, "sysctl", "-qw", "net.ipv4.tcp_slow_start_after_idle=0")
         return ns
 
     def _on_bridge(self, ns: str, address: str) -> None:
