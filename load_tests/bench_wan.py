@@ -45,10 +45,10 @@ from typing import Any
 
 import torch
 
+from load_tests.wan_lab import start_lab_swarm
 from swarm_client.sequence_manager import ClientConfig
 from swarm_client.tiny_model import make_tiny_model
-from swarmserve.launcher import DHT_READY, WorkerProcess, child_env
-from swarmserve.processes import wait_ready
+from swarmserve.launcher import child_env
 from tests.netlab import NetLab, unavailable, unavailable_delays
 
 ENV = child_env(1, {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"})
@@ -215,18 +215,7 @@ def run_scenario(name: str, model: str, settings: list[str], args: argparse.Name
     delays = {"by_host": hosts, "by_pair": {f"{a}->{b}": ms for (a, b), ms in pairs.items()}}
     out: dict[str, Any] = {"delays_ms": delays, "floor_ms": floors(name), "runs": {s: [] for s in settings}}
     with NetLab() as lab:
-        ns = {h: lab.host(h, ip) for h, ip in HOSTS.items()}
-        dht = lab.spawn(ns["dht"], "dht", ["dht", "--host", HOSTS["dht"], "--port", "31337", "--model", model], ENV)
-        maddr = dht.wait_for(DHT_READY, timeout=120).split(DHT_READY, 1)[1].strip()
-        workers = []
-        for s in SERVERS:
-            argv = ["worker", "--model", model, "--initial-peers", maddr, "--blocks", SPANS[s], "--host", HOSTS[s]]
-            argv += f"--port {PORT} --torch-threads 1 --throughput 100".split()
-            workers.append(lab.spawn(ns[s], s, argv, ENV, cls=WorkerProcess))
-        wait_ready(workers, timeout=300)
-        lab.delay(hosts)  # {} (c0): no delay process at all
-        for (source, destination), ms in pairs.items():
-            lab.delay_between(source, destination, ms)
+        ns, maddr, dht, workers = start_lab_swarm(lab, model, name)
         out["peers"] = {w.name: w.peer_id for w in workers}
         time.sleep(2)
         client_args = [json.dumps(PROMPTS), str(args.new_tokens), str(args.streams)]
