@@ -59,6 +59,10 @@ class ClientConfig:
     #: ... this many unanswered liveness pings in a row mean the server is gone (stopped, frozen, cut off), not
     #: busy: the step fails with ``PeerTimeout`` and failover starts
     silent_pings: int = 2
+    #: the slowest link a ping's allowance assumes for the step's own bytes ahead of it on the connection
+    #: (a 418-token float32 prefill, 963 kB, took 4.3 s per hop at 25 ms one way with slow start: 0.75 s pings
+    #: failed it); 200 kB/s adds 11 ms for a one-token step of a 576-wide model, 4.8 s for that prefill
+    slow_link_bytes_per_s: float = 200_000.0
     #: how long opening a span keeps re-reading the DHT while some of its blocks have no usable server (a
     #: restarting server announces itself again within seconds), before ``NoRouteError``
     route_wait: float = 10.0

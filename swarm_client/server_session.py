@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator
 import torch
 
 from swarm_client import capabilities, protocol
+from swarm_client.client_config import ClientConfig
 from swarm_client.errors import (
     PeerError,
     PeerTimeout,
@@ -28,6 +29,13 @@ from swarm_client.sequence_manager import SequenceManager
 #: steps up to this size travel in step bundles (decode steps); larger ones (prefills) on their own stream
 BUNDLE_MAX_BYTES = 2**18
 
+
+
+def ping_timeout(config: ClientConfig, step_bytes: int) -> float:
+    """How long a liveness ping of a silent step's server may take: ``silent_ping_timeout``, plus the time the
+    step's bytes may hold the shared connection on a slow link (``slow_link_bytes_per_s``): over a WAN a long
+    prefill's megabyte of activations keeps a ping waiting behind it for seconds, while the server is alive."""
+    return config.silent_ping_timeout + max(step_bytes, 0) / config.slow_link_bytes_per_s
 
 class _ServerSession:
     """One server's stream: open, step at explicit positions, close (optionally keeping the cache)."""
@@ -52,6 +60,8 @@ class _ServerSession:
         self._counted = False  # in ``manager.sessions_on`` while open
         #: the open's answer is still to be read (``open(wait=False)``): the next step reads it first
         self._open_pending = False
+        #: bytes of the step in flight: a liveness ping shares its connection and may queue behind them
+        self._step_bytes = 0
         #: how the previous server of a chain pushes steps into this session (``protocol``, rpc_push)
         self.push_target = {
             "peer_id": hop.peer_id,
@@ -106,15 +116,16 @@ class _ServerSession:
                             raise PeerTimeout(
                                 f"server {peer} went silent: no answer to its step for "
                                 f"{time.monotonic() - started:.1f}s, nor to {misses} pings in a row "
-                                f"({config.silent_ping_timeout:g}s each)",
+                                f"({ping_timeout(config, self._step_bytes):.2f}s each)",
                                 peer,
                             ) from error
                         next_probe = time.monotonic()  # ping again at once
                     else:  # refused: the server process is gone even if its connection lingers
                         raise PeerError(f"server {peer} stopped answering: {error}", peer) from error
                 elif probe is None and time.monotonic() >= next_probe:
-                    ping_timeout = min(config.silent_ping_timeout, max(deadline - time.monotonic(), 0.001))
-                    probe = asyncio.ensure_future(self.manager.info(peer, timeout=ping_timeout))
+                    allowed = ping_timeout(config, self._step_bytes)
+                    ping_timeout_s = min(allowed, max(deadline - time.monotonic(), 0.001))
+                    probe = asyncio.ensure_future(self.manager.info(peer, timeout=ping_timeout_s))
         finally:
             if not getter.done():
                 getter.cancel()
@@ -241,6 +252,7 @@ class _ServerSession:
         bundler = None
         if step_id is None and not self._open_pending and hidden.numel() * hidden.element_size() <= BUNDLE_MAX_BYTES:
             bundler = self.manager.step_bundler(self.hop.peer_id)
+        self._step_bytes = hidden.numel() * hidden.element_size()  # what may hold the connection (≈ its answer)
         if bundler is not None:  # one message with the other sessions' steps to this server
             step = {"session_id": self.session_id, "position": position, **extra}
             if output_hidden_states:

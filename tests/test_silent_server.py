@@ -70,3 +70,19 @@ def test_sigstopped_server_fails_over_fast_with_identical_tokens(tiny_llama, ref
         if model is not None:
             model.shutdown()
         s.close()
+
+
+def test_a_ping_behind_a_big_step_gets_the_time_its_bytes_take() -> None:
+    """The liveness ping shares the step's connection: behind a long prefill's megabyte on a slow link it waits
+    seconds while the server is alive (the WAN benchmark's 418-token SmolLM2 prefill failed on 0.75 s pings).
+    A decode step's allowance stays the plain ``silent_ping_timeout`` (within 20 ms): a frozen server is still
+    found as fast."""
+    from swarm_client.client_config import ClientConfig
+    from swarm_client.server_session import ping_timeout
+
+    config = ClientConfig(initial_peers=[], dht_prefix="m", num_blocks=4)
+    one_token = 576 * 4  # SmolLM2's hidden state, float32
+    assert config.silent_ping_timeout <= ping_timeout(config, one_token) < config.silent_ping_timeout + 0.02
+    prefill = 418 * one_token  # 963 kB: 4.3 s per hop through the emulated 25 ms link with slow start
+    assert ping_timeout(config, prefill) > 4.3
+    assert ping_timeout(config, 0) == config.silent_ping_timeout
