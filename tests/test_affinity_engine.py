@@ -47,8 +47,8 @@ class _KeptSession:
         if self.resumed and self.owner.lose_resumed_at_step == self.steps:
             self.owner.losses += 1
             raise SessionLost("injected: a server of the resumed session is gone")
-        if self.resumed and self.owner.hold_resumed is not None:
-            self.owner.hold_resumed.wait(60)
+        if self.owner.hold_steps is not None:
+            self.owner.hold_steps.wait(60)
         with self.owner.lock:
             self.owner.tokens_processed += len(token_ids)
         return self.local.step(token_ids)
@@ -82,8 +82,9 @@ class ResumableLocal:
         self.tokens_processed = 0
         self.lose_resumed_at_step: int | None = None
         self.losses = 0
-        #: when set, a resumed session's steps wait for this event (to hold a claimed record in use)
-        self.hold_resumed: threading.Event | None = None
+        #: when set, every session's steps wait for this event: a claimed record stays in use, and no request
+        #: finishes (and leaves a record of its own to claim) before the others have opened
+        self.hold_steps: threading.Event | None = None
         self.opened = 0
 
     def open_session(
@@ -232,9 +233,9 @@ def test_local_concurrent_turns_fork_instead_of_sharing(local_pair: tuple[Gatewa
     backend: ResumableLocal = reuse.backend
     results: list[tuple[str, Any]] = []
     threads = [threading.Thread(target=lambda: results.append(chat(reuse, messages))) for _ in range(3)]
-    # whoever claims the record holds its session until the other two have opened theirs, so all three
-    # really are concurrent (otherwise a turn that starts after the claimant finished may reuse legitimately)
-    backend.hold_resumed, opened_before = threading.Event(), backend.opened
+    # no session steps until all three have opened, so all three really are concurrent: otherwise a turn that
+    # starts after the claimant finished, or after a fresh turn left its own record, may reuse legitimately
+    backend.hold_steps, opened_before = threading.Event(), backend.opened
     try:
         for t in threads:
             t.start()
@@ -245,8 +246,8 @@ def test_local_concurrent_turns_fork_instead_of_sharing(local_pair: tuple[Gatewa
             time.sleep(0.01)
         all_concurrent = backend.opened >= opened_before + 3
     finally:
-        backend.hold_resumed.set()
-        backend.hold_resumed = None
+        backend.hold_steps.set()
+        backend.hold_steps = None
     for t in threads:
         t.join(300)
     assert all_concurrent, "the three requests never were in flight together"
