@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from swarm_client.lora import check_adapter_name
 from swarm_client.precision import check_min_precision
 from swarm_client.protocol import MAX_PIPELINE_GROUPS
 from swarm_client.routing import CLAIM_CAP_FACTOR
@@ -105,11 +106,17 @@ class ClientConfig:
     #: the least precise server weights a route may use (``swarm_client.precision``): "full" (no quantized
     #: server), "int8", "nf4" or "any" (also quantizations newer than this client)
     min_precision: str = "any"
+    #: the served LoRA adapter (``swarmserve worker --adapters NAME=PATH``) sessions and forward/backward run
+    #: with unless a session names its own (``inference_session(adapter=...)``); None: the base model. Routes
+    #: use only servers announcing it for their blocks
+    active_adapter: str | None = None
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.trusted_peers = parse_peer_ids(self.trusted_peers)
         check_min_precision(self.min_precision)
+        if self.active_adapter is not None:
+            check_adapter_name(self.active_adapter)
         if self.push not in (True, False, AUTO_PUSH):
             raise ValueError(f"push must be True, False or {AUTO_PUSH!r}, got {self.push!r}")
 

@@ -37,6 +37,7 @@ from hivemind.proto import crypto_pb2
 from hivemind.utils.crypto import RSAPrivateKey
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from swarm_client.lora import ADAPTER_NAME, MAX_ADAPTERS
 from swarm_client.precision import Quant
 
 PROTOCOL_VERSION = "1"
@@ -90,6 +91,10 @@ class ServerInfo(BaseModel):
     #: weight quantization of the server's blocks (``swarm_client.precision.Quant``; a value this version does
     #: not know is kept as said, and ranks below every known one)
     quant: str = Field(default=Quant.NONE.value, max_length=16)
+    #: LoRA adapters the server applies to its whole span on request (``swarm_client.lora``); older: none
+    adapters: tuple[Annotated[str, Field(pattern=ADAPTER_NAME.pattern)], ...] = Field(
+        default=(), max_length=MAX_ADAPTERS
+    )
 
     @field_validator("reachability", mode="before")
     @classmethod
@@ -103,6 +108,7 @@ class ServerInfo(BaseModel):
         data["throughput"] = float(self.throughput)
         data["addrs"] = list(self.addrs)
         data["features"] = list(self.features)
+        data["adapters"] = list(self.adapters)
         return data
 
     @classmethod
@@ -211,6 +217,9 @@ class _WireRecord(pv1.BaseModel):
     public_name: Optional[pv1.StrictStr]  # noqa: UP045
     addrs: List[pv1.StrictStr]  # noqa: UP006
     quant: Optional[pv1.constr(strict=True, max_length=16)] = None  # type: ignore[valid-type]  # noqa: UP045
+    adapters: Optional[List[pv1.constr(strict=True, regex=ADAPTER_NAME.pattern)]] = pv1.Field(  # type: ignore[valid-type]  # noqa: UP006, UP045
+        None, max_items=MAX_ADAPTERS
+    )
 
     class Config:
         extra = pv1.Extra.allow
@@ -231,9 +240,7 @@ def _block_schema(dht_prefix: str, num_blocks: int) -> type[pv1.BaseModel]:
     return pv1.create_model(name, **fields)
 
 
-def record_validators(
-    dht_prefix: str | None = None, num_blocks: int | None = None
-) -> list[RecordValidatorBase]:
+def record_validators(dht_prefix: str | None = None, num_blocks: int | None = None) -> list[RecordValidatorBase]:
     """Validators for every swarm DHT node: owner signatures always, the record schema when the model's
     prefix is known (keys are hashed on the wire, so a node can only check keys it can name).
 

@@ -6,6 +6,7 @@
     │   └── PeerTimeout
     ├── RemoteError             a server answered with a structured error
     │   ├── InvalidInputError   bad shape / dtype / hidden size / metadata
+    │   ├── AdapterNotFoundError the server holds no LoRA adapter of that name
     │   ├── LengthExceededError a step would go past the session's max_length
     │   ├── SessionNotFoundError unknown (or expired / evicted) session id
     │   │   └── SessionAccessError the session exists but the caller may not use it (no capability)
@@ -30,9 +31,12 @@ class SwarmError(Exception):
 
 
 class NoRouteError(SwarmError):
-    def __init__(self, message: str, missing_blocks: list[int] | None = None):
+    """``missing_blocks``: the blocks no usable server holds; ``adapter``: the LoRA adapter the route needed."""
+
+    def __init__(self, message: str, missing_blocks: list[int] | None = None, adapter: str | None = None):
         super().__init__(message)
         self.missing_blocks = list(missing_blocks or [])
+        self.adapter = adapter
 
 
 class PeerError(SwarmError):
@@ -106,6 +110,12 @@ class CacheExhaustedError(RemoteError):
     code = "cache_exhausted"
 
 
+class AdapterNotFoundError(RemoteError):
+    """The server does not hold the LoRA adapter the session or request names (``--adapters``)."""
+
+    code = "adapter_not_found"
+
+
 class ServerBusyError(CacheExhaustedError):
     """Full for now: ``details["reason"]`` is ``sessions`` (the server's session slots), ``peer_sessions``
     (this client's share of them) or ``cache`` (token slots), with ``cache_tokens_left`` / ``sessions_left``."""
@@ -118,6 +128,7 @@ _BY_CODE: dict[str, type[RemoteError]] = {
     for cls in (
         RemoteError,
         InvalidInputError,
+        AdapterNotFoundError,
         LengthExceededError,
         SessionNotFoundError,
         SessionAccessError,

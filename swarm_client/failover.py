@@ -44,17 +44,22 @@ OpenHops = Callable[[list[RouteHop]], Awaitable[list[_ServerSession]]]
 BUSY_POLL = 0.25
 
 
-def all_busy(manager: SequenceManager, start: int, end: int) -> bool:
-    """No route over ``[start, end)`` avoids the servers that just said they are full."""
+def all_busy(manager: SequenceManager, start: int, end: int, adapter: str | None = None) -> bool:
+    """No route over ``[start, end)`` (with ``adapter``) avoids the servers that just said they are full."""
     try:
-        find_route(manager.spans, start, end, **manager.route_options(exclude=manager.busy_peers()))
+        find_route(manager.spans, start, end, **manager.route_options(exclude=manager.busy_peers(), adapter=adapter))
     except NoRouteError:
         return True
     return False
 
 
 async def wait_for_room(
-    manager: SequenceManager, error: CacheExhaustedError | SessionTooLongError, start: int, end: int, give_up_at: float
+    manager: SequenceManager,
+    error: CacheExhaustedError | SessionTooLongError,
+    start: int,
+    end: int,
+    give_up_at: float,
+    adapter: str | None = None,
 ) -> None:
     """A server of ``[start, end)`` is full (busy, or its cache ran out under a replayed session) or too
     small: route around it at once when another can take the session, else wait a little for room — up to
@@ -62,7 +67,7 @@ async def wait_for_room(
     session fit a smaller cache). Never a ban."""
     if error.peer_id:
         manager.mark_busy(error.peer_id, str(error))
-    if not all_busy(manager, start, end):
+    if not all_busy(manager, start, end, adapter):
         return
     if isinstance(error, SessionTooLongError):
         raise error
@@ -75,7 +80,7 @@ async def wait_for_room(
 
 
 async def open_span(
-    manager: SequenceManager, start: int, end: int, cache_tokens: int, open_hops: OpenHops
+    manager: SequenceManager, start: int, end: int, cache_tokens: int, open_hops: OpenHops, adapter: str | None = None
 ) -> list[_ServerSession]:
     """Route ``[start, end)`` and open streams, banning servers that fail until the failover deadline; a
     full server is routed around (``wait_for_room``), for ``busy_wait`` seconds at most; blocks without a
@@ -85,7 +90,7 @@ async def open_span(
     route_deadline = now + min(config.route_wait, config.failover_deadline)
     while True:
         try:
-            hops = await manager.make_route(start, end, cache_tokens_needed=cache_tokens)
+            hops = await manager.make_route(start, end, cache_tokens_needed=cache_tokens, adapter=adapter)
             return await open_hops(hops)
         except CALLER_ERRORS:
             raise
@@ -94,7 +99,7 @@ async def open_span(
                 raise
             await asyncio.sleep(0.5)
         except (CacheExhaustedError, SessionTooLongError) as e:  # full (ServerBusyError too), not faulty
-            await wait_for_room(manager, e, start, end, busy_deadline)
+            await wait_for_room(manager, e, start, end, busy_deadline, adapter)
         except (PeerError, RemoteError) as e:
             if getattr(e, "peer_id", None):
                 manager.ban(e.peer_id, str(e))
@@ -110,6 +115,7 @@ async def replace_span(
     deadline: float,
     cache_tokens: int,
     open_hops: OpenHops,
+    adapter: str | None = None,
 ) -> tuple[list[_ServerSession], list[HistoryBuffer]]:
     """Route ``failed``'s span anew and replay ``replay_input`` (the span's inputs so far) into the new hops.
 
@@ -126,7 +132,7 @@ async def replace_span(
             )
         sessions: list[_ServerSession] = []
         try:
-            hops = await manager.make_route(failed.start, failed.end, cache_tokens_needed=cache_tokens)
+            hops = await manager.make_route(failed.start, failed.end, cache_tokens_needed=cache_tokens, adapter=adapter)
             sessions = await open_hops(hops)
             histories: list[HistoryBuffer] = []
             replay = replay_input
@@ -147,7 +153,7 @@ async def replace_span(
         except (CacheExhaustedError, SessionTooLongError) as e:  # full (ServerBusyError too), not faulty
             error = e
             await close_all(sessions)
-            await wait_for_room(manager, e, failed.start, failed.end, min(deadline, busy_deadline))
+            await wait_for_room(manager, e, failed.start, failed.end, min(deadline, busy_deadline), adapter)
         except (PeerError, RemoteError) as e:
             error = e
             await close_all(sessions)
@@ -178,11 +184,17 @@ class PendingSpotCheck:
     separate machines a check costs the client little more than the step's own wait."""
 
     def __init__(
-        self, manager: SequenceManager, hop: RouteHop, checkers: list[RouteHop], full: torch.Tensor, length: int
+        self,
+        manager: SequenceManager,
+        hop: RouteHop,
+        checkers: list[RouteHop],
+        full: torch.Tensor,
+        length: int,
+        adapter: str | None = None,
     ):
         self.hop = hop
         self.checkers = checkers
-        self._task = asyncio.create_task(_reference(manager, checkers, full, length))
+        self._task = asyncio.create_task(_reference(manager, checkers, full, length, adapter))
 
     async def result(self, out: torch.Tensor, timeout: float) -> SpotCheck | None:
         """How far ``out`` (the hop's answer) is from the checkers'; None when the checkers failed or took
@@ -202,11 +214,11 @@ class PendingSpotCheck:
 
 
 async def _reference(
-    manager: SequenceManager, checkers: list[RouteHop], full: torch.Tensor, length: int
+    manager: SequenceManager, checkers: list[RouteHop], full: torch.Tensor, length: int, adapter: str | None = None
 ) -> torch.Tensor | None:
     """The checkers' output for the last ``length`` positions of ``full``; None if a checker failed or sent
     something malformed (a broken checker proves nothing about the checked step)."""
-    from swarm_client.remote_sequential import _call_stream  # local import: that module imports session
+    from swarm_client.remote_sequential import _call_stream, adapter_metadata  # that module imports session
 
     reference = full
     try:
@@ -218,6 +230,7 @@ async def _reference(
                 [reference],
                 start_block=checker.start,
                 end_block=checker.end,
+                **adapter_metadata(adapter),
             )
     except (PeerError, RemoteError, ValueError):
         return None
@@ -227,7 +240,12 @@ async def _reference(
 
 
 def start_spot_check(
-    manager: SequenceManager, hop: RouteHop, history: HistoryBuffer, x: torch.Tensor, position: int
+    manager: SequenceManager,
+    hop: RouteHop,
+    history: HistoryBuffer,
+    x: torch.Tensor,
+    position: int,
+    adapter: str | None = None,
 ) -> PendingSpotCheck | None:
     """With probability ``spot_check_rate``, start recomputing ``hop``'s step (input ``x`` at ``position``) on
     other servers holding the same blocks: a stateless forward over the hop's whole input history, running
@@ -245,13 +263,13 @@ def start_spot_check(
     unlike = [peer for peer, span in manager.spans.items() if span.server_info.quant != quant]
     try:
         # the checker sees the hop's inputs: the trust policy applies to it as to the hop itself
-        options = manager.route_options(exclude=[hop.peer_id, *unmeasured, *unlike])
+        options = manager.route_options(exclude=[hop.peer_id, *unmeasured, *unlike], adapter=adapter)
         checkers = find_route(manager.spans, hop.start, hop.end, **options)
     except NoRouteError:
         return None  # nobody else holds these blocks: nothing to compare with
     prefix = history.read(position)
     full = x if prefix is None else torch.cat([prefix, x], 1)
-    return PendingSpotCheck(manager, hop, checkers, full, x.shape[1])
+    return PendingSpotCheck(manager, hop, checkers, full, x.shape[1], adapter)
 
 
 def check_trusted_resume(manager: SequenceManager, hops: list[dict]) -> None:

@@ -125,17 +125,19 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
         session_id: str | None = None,
         keep_on_close: bool = False,
         resume_state: dict | None = None,
+        adapter: str | None = None,
     ) -> Iterator[InferenceSession]:
         """Open a session whose KV caches live on the servers; forward/generate inside it use it.
 
         ``keep_on_close=True`` leaves the caches on the servers (for their session TTL) after the block;
         ``resume_state`` (from ``session.export_state()``) re-attaches to such caches, e.g. in the next
-        chat turn — raising ``SessionNotFoundError`` if they are gone.
+        chat turn — raising ``SessionNotFoundError`` if they are gone. ``adapter``: the served LoRA adapter
+        the session runs with (default: ``active_adapter`` given to ``from_pretrained``; None: base model).
         """
         if resume_state is not None:
             session = InferenceSession.resume(self.manager, resume_state, keep_on_close)
         else:
-            session = self.blocks.inference_session(max_length, batch_size, session_id, keep_on_close)
+            session = self.blocks.inference_session(max_length, batch_size, session_id, keep_on_close, adapter)
         previous, self._active_session = self._active_session, session
         try:
             yield session

@@ -28,6 +28,7 @@ from swarm_client.errors import (
     RemoteError,
     error_from_wire,
 )
+from swarm_client.lora import check_adapter_name
 from swarm_client.routing import LOCAL_PEER, RouteHop
 from swarm_client.sequence_manager import SequenceManager
 from swarm_client.session import CALLER_ERRORS, InferenceSession
@@ -65,6 +66,11 @@ async def _call_stream(manager: SequenceManager, peer_id: str, method: str, tens
 TraceItem = tuple[RouteHop, torch.Tensor, "torch.Tensor | None"]
 
 
+def adapter_metadata(adapter: str | None) -> dict:
+    """The ``adapter`` field of a forward/backward request (absent for the base model: older servers)."""
+    return {} if adapter is None else {"adapter": adapter}
+
+
 def _wire_dtype(manager: SequenceManager, peer_id: str) -> torch.dtype | None:
     """The dtype ``peer_id`` computes in (from its DHT record), or None when unknown."""
     span = manager.spans.get(peer_id)
@@ -92,9 +98,10 @@ async def _run_span(
     position, x = start, hidden
     trace: list[TraceItem] = []
     states: list[torch.Tensor] = []
+    adapter = manager.config.active_adapter
     while position < end:
         try:
-            hops = await manager.make_route(position, end)
+            hops = await manager.make_route(position, end, adapter=adapter)
         except NoRouteError:
             if time.monotonic() + 0.5 > deadline:
                 raise
@@ -121,6 +128,7 @@ async def _run_span(
                     output_hidden_states=output_hidden_states,
                     start_block=hop.start,
                     end_block=hop.end,
+                    **adapter_metadata(adapter),
                 )
                 if len(outputs) != 1:
                     raise PeerError(f"{hop.peer_id} sent {len(outputs)} tensors, not 1", hop.peer_id)
@@ -174,6 +182,7 @@ async def _backward_trace(
                 [inputs, grad] if prompts is None else [inputs, grad, prompts],
                 start_block=hop.start,
                 end_block=hop.end,
+                **adapter_metadata(manager.config.active_adapter),
             )
             if len(grads) != (1 if prompts is None else 2) or grads[0].shape != inputs.shape:
                 raise PeerError(f"server {hop.peer_id} returned invalid gradients", hop.peer_id)
@@ -291,9 +300,19 @@ class RemoteSequential(nn.Module):
         return out.to(device, dtype), [s.to(device, dtype) for s in states]
 
     def inference_session(
-        self, max_length: int, batch_size: int = 1, session_id: str | None = None, keep_on_close: bool = False
+        self,
+        max_length: int,
+        batch_size: int = 1,
+        session_id: str | None = None,
+        keep_on_close: bool = False,
+        adapter: str | None = None,
     ) -> InferenceSession:
-        return InferenceSession(self.manager, self.start, self.end, max_length, batch_size, session_id, keep_on_close)
+        """A KV-cached session over these blocks; ``adapter``: the served LoRA adapter it runs with (default:
+        ``ClientConfig.active_adapter``)."""
+        adapter = check_adapter_name(adapter) if adapter is not None else self.manager.config.active_adapter
+        return InferenceSession(
+            self.manager, self.start, self.end, max_length, batch_size, session_id, keep_on_close, adapter
+        )
 
     def extra_repr(self) -> str:
         return f"blocks {self.start}:{self.end} of {self.manager.config.dht_prefix}"

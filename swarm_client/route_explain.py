@@ -38,7 +38,11 @@ def format_blocks(blocks: Iterable[int]) -> str:
 
 
 def describe_holder(
-    span: RemoteSpanInfo, banned: Collection[str], why: Mapping[str, str], cache_tokens_needed: int = 0
+    span: RemoteSpanInfo,
+    banned: Collection[str],
+    why: Mapping[str, str],
+    cache_tokens_needed: int = 0,
+    adapter: str | None = None,
 ) -> str:
     """Why the server of ``span`` is not used: ``"peer X is banned: <reason>"``, ``"... is JOINING"``..."""
     info = span.server_info
@@ -46,6 +50,9 @@ def describe_holder(
         state = f"is banned: {why.get(span.peer_id) or 'it failed recently'}"
     elif span.state != ServerState.ONLINE:
         state = f"is {span.state.name}"
+    elif adapter is not None and adapter not in info.adapters:
+        held = ", ".join(info.adapters) or "none"
+        state = f"does not hold adapter {adapter!r} (it holds: {held})"
     elif info.cache_tokens_total is not None and info.cache_tokens_total < cache_tokens_needed:
         state = f"cannot hold a session of {cache_tokens_needed} tokens (its cache: {info.cache_tokens_total})"
     else:
@@ -72,6 +79,7 @@ def no_route_error(
     banned: Collection[str],
     why: Mapping[str, str] | None = None,
     cache_tokens_needed: int = 0,
+    adapter: str | None = None,
 ) -> NoRouteError:
     """The error for a failed route over ``[start, end)``: the blocks no ``eligible`` server holds and, per
     range of them, who else holds them and why each is not used (``why``: reasons of bans, by peer)."""
@@ -93,7 +101,7 @@ def no_route_error(
         if not holders:
             parts.append(f"{blocks}: no server announces them")
             continue
-        named = [describe_holder(spans[p], banned, why, cache_tokens_needed) for p in holders[:MAX_NAMED]]
+        named = [describe_holder(spans[p], banned, why, cache_tokens_needed, adapter) for p in holders[:MAX_NAMED]]
         more = f"; and {len(holders) - MAX_NAMED} more" if len(holders) > MAX_NAMED else ""
         verb = "has" if b - a == 1 else "have"
         parts.append(f"{blocks} {verb} no usable server: {'; '.join(named)}{more}")
@@ -101,8 +109,10 @@ def no_route_error(
     num_banned = sum(1 for p in holders if p in banned)
     num_not_online = sum(1 for p in holders if p not in banned and spans[p].state != ServerState.ONLINE)
     counts = f" ({num_banned} banned, {num_not_online} not ONLINE)" if num_banned or num_not_online else ""
+    with_adapter = f" with adapter {adapter!r}" if adapter is not None else ""
     return NoRouteError(
-        f"no route through blocks [{start}, {end}): no ONLINE, unbanned server holds "
-        f"{format_blocks(missing)}{counts} — " + " | ".join(parts),
+        f"no route through blocks [{start}, {end}){with_adapter}: no ONLINE, unbanned server holds "
+        f"{format_blocks(missing)}{with_adapter}{counts} — " + " | ".join(parts),
         missing_blocks=missing,
+        adapter=adapter,
     )

@@ -128,6 +128,7 @@ def find_route(
     trusted: Collection[str] = (),
     num_blocks: int | None = None,
     why: Mapping[str, str] | None = None,
+    adapter: str | None = None,
 ) -> list[RouteHop]:
     """Cheapest chain of ONLINE, unbanned servers that runs blocks ``[start, end)`` in order.
 
@@ -144,6 +145,8 @@ def find_route(
 
     Trust policy: with ``trusted`` peer ids (and the model's ``num_blocks``), the hop that runs block 0 and
     the hop that runs block ``num_blocks - 1`` (where ``[start, end)`` holds them) must be on a trusted peer.
+
+    With a LoRA ``adapter``, only servers announcing it (``ServerInfo.adapters``) are eligible.
 
     Raises ``NoRouteError`` naming the blocks no eligible server holds (in ``missing_blocks``) and, per range
     of them, who holds them and why they are not used (``why``: the reason of each ban, by peer;
@@ -167,6 +170,7 @@ def find_route(
         and peer_id not in banned_set
         and max(span.start, start) < min(span.end, end)
         and (span.server_info.cache_tokens_total is None or span.server_info.cache_tokens_total >= cache_tokens_needed)
+        and (adapter is None or adapter in span.server_info.adapters)
     ]
 
     def hop_cost(span: RemoteSpanInfo, blocks: int) -> float:
@@ -214,7 +218,7 @@ def find_route(
                     best[hop_end] = new_label
                     heapq.heappush(heap, (new_label, new_cost, hop_end))
 
-    raise no_route_error(spans, start, end, eligible, banned_set, why, cache_tokens_needed)
+    raise no_route_error(spans, start, end, eligible, banned_set, why, cache_tokens_needed, adapter)
 
 
 def _check_trusted_ends(

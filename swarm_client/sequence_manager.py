@@ -31,11 +31,12 @@ from swarm_client.dht_records import (
     record_validators,
     spans_from_records,
 )
-from swarm_client.errors import NoRouteError, PeerError, PeerTimeout, SessionTooLongError
+from swarm_client.errors import PeerError, PeerTimeout
 from swarm_client.pings import Pinger, ping_failure_reason
 from swarm_client.precision import accepts
 from swarm_client.protocol import MAX_PIPELINE_GROUPS
-from swarm_client.routing import LOCAL_PEER, BanList, RouteHop, effective_throughputs, find_route, missing_blocks
+from swarm_client.route_making import RouteMaker
+from swarm_client.routing import LOCAL_PEER, BanList, RouteHop, effective_throughputs, missing_blocks
 from swarm_client.step_bundles import StepBundler
 from swarm_client.step_times import StepTimes
 
@@ -51,12 +52,9 @@ DHT_BOOTSTRAP_TIMEOUT = 3.0
 #: decode-step throughput servers announce; a prefill's time says little about a server's decode speed)
 TIMED_STEP_TOKENS = 1
 
-#: routing cost of each of this client's own open sessions on a server, as a share of its compute cost: a
-#: gateway spreads its sessions over the servers of a span instead of piling them onto the fastest one
-LOCAL_SESSION_LOAD = 0.25
 
 
-class SequenceManager:
+class SequenceManager(RouteMaker):
     def __init__(self, config: ClientConfig, dht: DHT | None = None):
         check_pipeline_groups(config.pipeline_groups)
         self.config = config
@@ -118,9 +116,12 @@ class SequenceManager:
         spans = self.spans if spans is None else spans
         return effective_throughputs(spans, self.step_times.throughputs(), self.config.throughput_cap_factor)
 
-    def route_options(self, spans: dict[str, RemoteSpanInfo] | None = None, exclude: Iterable[str] = ()) -> dict:
+    def route_options(
+        self, spans: dict[str, RemoteSpanInfo] | None = None, exclude: Iterable[str] = (), adapter: str | None = None
+    ) -> dict:
         """``find_route`` keywords every route of this client uses: RTTs, bans (and ``exclude``d peers),
-        believed throughputs and the trust policy (so replacements and spot checkers honour it too)."""
+        believed throughputs and the trust policy (so replacements and spot checkers honour it too), and the
+        session's LoRA ``adapter`` (only servers holding it)."""
         spans = self.spans if spans is None else spans
         too_coarse = self.below_min_precision(spans)
         return {
@@ -130,6 +131,7 @@ class SequenceManager:
             "throughput": self.effective_throughputs(spans),
             "trusted": self.config.trusted_peers,
             "num_blocks": self.config.num_blocks,
+            "adapter": adapter,
         }
 
     def below_min_precision(self, spans: dict[str, RemoteSpanInfo]) -> dict[str, str]:
@@ -291,58 +293,6 @@ class SequenceManager:
             await self.info(peer_id, timeout=self.config.ping_timeout)
             if self.rtt.get(peer_id) == first:
                 self.rtt[peer_id] = min(first, time.perf_counter() - t0)
-
-    def _route_now(
-        self, spans: dict[str, RemoteSpanInfo], start: int, end: int, cache_tokens: int, avoid: Iterable[str] = ()
-    ) -> list[RouteHop]:
-        load = {peer: LOCAL_SESSION_LOAD * n for peer, n in self.sessions_on.items() if n > 0}
-        options = self.route_options(spans, exclude=avoid)
-        return find_route(
-            spans, start, end, load=load, cache_tokens_needed=cache_tokens, busy=self.busy_peers(), **options
-        )
-
-    async def _route(self, spans: dict[str, RemoteSpanInfo], start: int, end: int, cache_tokens: int) -> list[RouteHop]:
-        """A route that leaves out peers whose ping is in flight while others can serve their blocks; where only
-        they can, it waits for their pings (``ping_timeout`` at most) and routes again."""
-        pending = self.pings.start(spans, self.bans.banned())  # also re-measures peers whose ban ran out
-        try:
-            return self._route_now(spans, start, end, cache_tokens, avoid=pending)
-        except NoRouteError:
-            if not pending:
-                raise
-        await self.pings.wait(pending)
-        return self._route_now(spans, start, end, cache_tokens, avoid=self.pings.pending())
-
-    async def make_route(self, start: int, end: int, cache_tokens_needed: int = 0) -> list[RouteHop]:
-        """A route over ``[start, end)``: the local blocks (``local``) inside it are one hop on ``LOCAL_PEER``, and
-        the blocks before and after them are routed over the servers (``_remote_route``)."""
-        local = self.local
-        if local is None or local.end <= start or end <= local.start:
-            return await self._remote_route(start, end, cache_tokens_needed)
-        a, b = max(start, local.start), min(end, local.end)
-        before = await self._remote_route(start, a, cache_tokens_needed) if start < a else []
-        after = await self._remote_route(b, end, cache_tokens_needed) if b < end else []
-        return [*before, RouteHop(LOCAL_PEER, a, b), *after]
-
-    async def _remote_route(self, start: int, end: int, cache_tokens_needed: int = 0) -> list[RouteHop]:
-        """A route over ``[start, end)`` on servers; re-reads the DHT once before giving up with NoRouteError, or with
-        ``SessionTooLongError`` when the blocks are served but no server's whole cache could hold the session."""
-        for attempt in range(2):
-            spans = await self.update(force=attempt > 0)
-            try:
-                return await self._route(spans, start, end, cache_tokens_needed)
-            except NoRouteError:
-                if attempt == 0:
-                    continue
-                # NoRouteError here: the blocks are unserved whatever the session's length
-                self._route_now(spans, start, end, 0, avoid=self.pings.pending())
-                largest = max((s.server_info.cache_tokens_total or 0 for s in spans.values()), default=0)
-                raise SessionTooLongError(
-                    f"no server of blocks {start}:{end} can hold a session of {cache_tokens_needed} tokens "
-                    f"(the largest cache budget announced is {largest}); ask for fewer tokens",
-                    details={"cache_tokens_total": largest},
-                ) from None
-        raise AssertionError("unreachable")
 
     def mark_busy(self, peer_id: str, reason: str) -> None:
         """``peer_id`` is full for now: routing avoids it for ``busy_mark`` seconds. Not a ban: a full

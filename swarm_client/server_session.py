@@ -43,10 +43,19 @@ class _ServerSession:
     #: a server, not the client's own blocks (``local_span.LocalSession``)
     local = False
 
-    def __init__(self, manager: SequenceManager, hop: RouteHop, session_id: str, batch_group: int | None = None):
+    def __init__(
+        self,
+        manager: SequenceManager,
+        hop: RouteHop,
+        session_id: str,
+        batch_group: int | None = None,
+        adapter: str | None = None,
+    ):
         self.manager = manager
         self.hop = hop
         self.session_id = session_id
+        #: the served LoRA adapter the session runs with (sent at open); None: the base model
+        self.adapter = adapter
         #: the pipeline group sent with every step (``ClientConfig.pipeline_groups``); None: no group
         self.batch_group = batch_group
         self.position = 0
@@ -214,6 +223,8 @@ class _ServerSession:
             "start_block": self.hop.start,
             "end_block": self.hop.end,
         }
+        if self.adapter is not None:
+            spec["adapter"] = self.adapter
         self._queue.put_nowait(protocol.make_request(open=spec))
         self._open_pending = True
         if wait:
@@ -311,11 +322,12 @@ async def close_all(sessions: list[_ServerSession], keep: bool = False) -> None:
 
 
 def hop_session(
-    manager: SequenceManager, hop: RouteHop, session_id: str, batch_group: int | None = None
+    manager: SequenceManager, hop: RouteHop, session_id: str, batch_group: int | None = None, adapter: str | None = None
 ) -> _ServerSession | LocalSession:
-    """The session of one hop: a stream to its server, or for the local hop (``LOCAL_PEER``) the local blocks'."""
+    """The session of one hop: a stream to its server, or for the local hop (``LOCAL_PEER``) the local blocks'
+    (which never carry a served adapter: ``SequenceManager.make_route`` keeps adapter sessions off them)."""
     if hop.peer_id != LOCAL_PEER:
-        return _ServerSession(manager, hop, session_id, batch_group)
+        return _ServerSession(manager, hop, session_id, batch_group, adapter)
     if manager.local is None:
         raise SessionNotFoundError("a hop runs on the local blocks, but this client holds none", LOCAL_PEER)
     return LocalSession(manager.local, hop, session_id)

@@ -66,8 +66,11 @@ class InferenceSession:
         batch_size: int = 1,
         session_id: str | None = None,
         keep_on_close: bool = False,
+        adapter: str | None = None,
     ):
         self.manager = manager
+        #: the served LoRA adapter every hop runs (``swarm_client.lora``); None: the base model
+        self.adapter = adapter
         self.start, self.end = start, end
         self.max_length = max_length
         self.batch_size = batch_size
@@ -88,7 +91,6 @@ class InferenceSession:
         #: optional token ids fed so far, maintained by the model (not by the session)
         self.token_ids: list[int] = []
 
-    # ------------------------------------------------------------------ context managers
     def __enter__(self) -> InferenceSession:
         return self
 
@@ -174,7 +176,8 @@ class InferenceSession:
         self._deal_group(len(hops))
         timeout = self.manager.config.connect_timeout
         ids = [f"{self.session_id}:{hop.start}:{hop.end}:{uuid.uuid4().hex[:8]}" for hop in hops]
-        sessions = [hop_session(self.manager, hop, sid, self.batch_group) for hop, sid in zip(hops, ids, strict=True)]
+        new = functools.partial(hop_session, self.manager, batch_group=self.batch_group, adapter=self.adapter)
+        sessions = [new(hop, sid) for hop, sid in zip(hops, ids, strict=True)]
         results = await asyncio.gather(
             *(s.open(self.max_length, self.batch_size, resume=False, timeout=timeout, wait=wait) for s in sessions),
             return_exceptions=True,
@@ -197,7 +200,7 @@ class InferenceSession:
         """Route ``[start, end)`` and open streams there (see ``failover.open_span``); without ``wait``, the
         opens' answers are read with the first step's (a refusal then fails over from that step)."""
         open_hops = self._open_hops if wait else functools.partial(self._open_hops, wait=False)
-        sessions = await open_span(self.manager, start, end, self._cache_tokens, open_hops)
+        sessions = await open_span(self.manager, start, end, self._cache_tokens, open_hops, self.adapter)
         self._hops[index:index] = sessions
         self._history[index:index] = [HistoryBuffer() for _ in sessions]
 
@@ -224,7 +227,7 @@ class InferenceSession:
             check = (
                 None
                 if output_hidden_states or hop.local
-                else start_spot_check(self.manager, hop.hop, self._history[index], x, position)
+                else start_spot_check(self.manager, hop.hop, self._history[index], x, position, self.adapter)
             )
             try:
                 try:
@@ -256,7 +259,7 @@ class InferenceSession:
                         # server of the span full (or too small: a refused open sent with the first step), wait
                         # full, wait for room (``busy_wait`` at most, then SwarmBusyError) rather than re-open on
                         # the full server and fail the same step again, until the failover deadline
-                        await wait_for_room(self.manager, e, hop.hop.start, hop.hop.end, busy_deadline)
+                        await wait_for_room(self.manager, e, hop.hop.start, hop.hop.end, busy_deadline, self.adapter)
                     await self._replace_hop(index, position, e, deadline)
                     # a fresh step id: later hops may have run a push from the failed hop's output
                     step_id, pushed_to = (uuid.uuid4().hex if push else None), None
@@ -296,7 +299,7 @@ class InferenceSession:
         del self._hops[index]
         del self._history[index]
         sessions, histories = await replace_span(
-            self.manager, failed.hop, replay_input, error, deadline, self._cache_tokens, self._open_hops
+            self.manager, failed.hop, replay_input, error, deadline, self._cache_tokens, self._open_hops, self.adapter
         )
         self.failovers += 1
         logger.info(
@@ -320,6 +323,7 @@ class InferenceSession:
             "batch_size": self.batch_size,
             "start": self.start,
             "end": self.end,
+            "adapter": self.adapter,
             "hops": [
                 {
                     "peer_id": h.hop.peer_id,
@@ -350,16 +354,13 @@ class InferenceSession:
             state["batch_size"],
             state["session_id"],
             keep_on_close,
+            state.get("adapter"),
         )
         position = int(state["position"])
         check_trusted_resume(manager, state["hops"])
         session._deal_group(len(state["hops"]))
-        hops = [
-            hop_session(
-                manager, RouteHop(h["peer_id"], h["start"], h["end"]), h["server_session_id"], session.batch_group
-            )
-            for h in state["hops"]
-        ]
+        new = functools.partial(hop_session, manager, batch_group=session.batch_group, adapter=session.adapter)
+        hops = [new(RouteHop(h["peer_id"], h["start"], h["end"]), h["server_session_id"]) for h in state["hops"]]
         try:
             timeout = manager.config.connect_timeout
             held = await asyncio.gather(

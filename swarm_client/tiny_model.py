@@ -336,8 +336,10 @@ def make_tiny_model(
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``swarmserve tiny-model OUT [--family F | --like NAME] [--layers N] [--seed S] [--hidden H]``."""
+    """``swarmserve tiny-model OUT [--family F | --like NAME] [--layers N] [--seed S] [--hidden H] [--lora NAME]``."""
+    from swarm_client.lora import check_adapter_name
     from swarm_client.model_likes import like_names, make_like_model
+    from swarm_client.tiny_lora import make_random_lora
 
     parser = argparse.ArgumentParser(
         prog="swarmserve tiny-model", description="Write a small random-weight model with a real tokenizer."
@@ -349,6 +351,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layers", type=int, default=4, help="number of transformer blocks (default 4)")
     parser.add_argument("--seed", type=int, default=0, help="random seed; same seed, same weights")
     parser.add_argument("--hidden", type=int, default=None, help="hidden size, a multiple of 8, at most 128")
+    parser.add_argument(
+        "--lora",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="also write a random PEFT LoRA adapter of the blocks to OUT/adapters/NAME (repeatable; serve it "
+        "with swarmserve worker --adapters NAME=OUT/adapters/NAME)",
+    )
     args = parser.parse_args(argv)
     if args.like and args.hidden is not None:
         parser.error("--hidden cannot be combined with --like (a replica's sizes follow the real model)")
@@ -360,7 +370,12 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         parser.error(str(exc))
     family = args.like or args.family or "llama"
-    print(json.dumps({"path": str(out.resolve()), "family": family, "layers": args.layers}))
+    adapters = {
+        name: str(make_random_lora(out, out / "adapters" / name, seed=args.seed + 1 + i).resolve())
+        for i, name in enumerate(check_adapter_name(n) for n in args.lora)
+    }
+    result = {"path": str(out.resolve()), "family": family, "layers": args.layers}
+    print(json.dumps({**result, "adapters": adapters} if adapters else result))
     return 0
 
 

@@ -58,6 +58,8 @@ class SessionCache:
     push_digest: bytes | None = None
     #: which of the server's blocks (relative slice) this session runs through
     blocks: slice = field(default_factory=lambda: slice(None))
+    #: the LoRA adapter the session runs with (``swarm_client.lora``); None: the base model
+    adapter: str | None = None
     #: the client's pipeline group (worker/batcher.py batches one group at a time); None: no group
     batch_group: int | None = None
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)

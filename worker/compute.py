@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from swarm_client.lora import adapter_rows
 from worker.batched import (
     Segment,
     llama_forward_batch,
@@ -44,13 +45,15 @@ class SpanRunner:
         output_hidden_states: bool = False,
         blocks: slice = slice(None),
     ) -> torch.Tensor:
-        """Run ``hidden`` [B, T, H] at ``position`` through ``blocks`` (relative to this span) with ``cache``."""
+        """Run ``hidden`` [B, T, H] at ``position`` through ``blocks`` (relative to this span) with ``cache``
+        (and the session's adapter)."""
         x = hidden.to(self.device, self.dtype)
         states = []
-        for block, kv in zip(self.blocks[blocks], cache.layer_kv(), strict=True):
-            x = block(x, position, kv)
-            if output_hidden_states:
-                states.append(x)
+        with adapter_rows(cache.adapter):
+            for block, kv in zip(self.blocks[blocks], cache.layer_kv(), strict=True):
+                x = block(x, position, kv)
+                if output_hidden_states:
+                    states.append(x)
         cache.position = position + hidden.shape[1]
         return torch.stack(states) if output_hidden_states else x
 
@@ -93,14 +96,19 @@ class SpanRunner:
                 bounds.append((row, row + batch * length, batch, length))
                 row += batch * length
             rope = None
-            for layer_index, block in enumerate(self.blocks[slice(start, stop)]):
-                segments = [
-                    Segment(a, b, items[i].position, items[i].cache.kv[layer_index], batch, length)
-                    for i, (a, b, batch, length) in zip(indices, bounds, strict=True)
-                ]
-                if self.shared_rotary and rope is None:
-                    rope = rotary_tables(block, hidden, segments)
-                hidden = llama_forward_batch(block, hidden, segments, rope)
+            # each row runs its own session's adapter (PEFT's mixed-batch LoRA, swarm_client/lora.py)
+            rows = [
+                items[i].cache.adapter for i, (a, b, _, _) in zip(indices, bounds, strict=True) for _ in range(a, b)
+            ]
+            with adapter_rows(rows):
+                for layer_index, block in enumerate(self.blocks[slice(start, stop)]):
+                    segments = [
+                        Segment(a, b, items[i].position, items[i].cache.kv[layer_index], batch, length)
+                        for i, (a, b, batch, length) in zip(indices, bounds, strict=True)
+                    ]
+                    if self.shared_rotary and rope is None:
+                        rope = rotary_tables(block, hidden, segments)
+                    hidden = llama_forward_batch(block, hidden, segments, rope)
             for i, (a, b, batch, length) in zip(indices, bounds, strict=True):
                 items[i].cache.position = items[i].position + length
                 results[i] = hidden[a:b].view(batch, length, -1)
@@ -113,17 +121,19 @@ class SpanRunner:
         output_hidden_states: bool = False,
         blocks: slice = slice(None),
         prompts: torch.Tensor | None = None,
+        adapter: str | None = None,
     ) -> torch.Tensor:
         """Stateless forward; ``prompts[i]`` [B or 1, P, H] is added to positions [0, P) before block i."""
         x = hidden.to(self.device, self.dtype)
         prompts = None if prompts is None else prompts.to(self.device, self.dtype)
         states = []
-        for i, block in enumerate(self.blocks[blocks]):
-            if prompts is not None:
-                x = add_prompt(x, prompts[i])
-            x = block(x, 0, None)
-            if output_hidden_states:
-                states.append(x)
+        with adapter_rows(adapter):
+            for i, block in enumerate(self.blocks[blocks]):
+                if prompts is not None:
+                    x = add_prompt(x, prompts[i])
+                x = block(x, 0, None)
+                if output_hidden_states:
+                    states.append(x)
         return torch.stack(states) if output_hidden_states else x
 
     def backward(
@@ -132,13 +142,14 @@ class SpanRunner:
         grad_output: torch.Tensor,
         blocks: slice = slice(None),
         prompts: torch.Tensor | None = None,
+        adapter: str | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Gradients of ``sum(span(hidden, prompts) * grad_output)`` w.r.t. ``hidden`` and ``prompts``.
 
         Recomputes the forward (the server keeps no activations between calls); the prompts' gradient is
         None when no prompts were given.
         """
-        with torch.enable_grad():
+        with torch.enable_grad(), adapter_rows(adapter):
             x0 = hidden.to(self.device, self.dtype).detach().requires_grad_(True)
             p = None if prompts is None else prompts.to(self.device, self.dtype).detach().requires_grad_(True)
             x = x0

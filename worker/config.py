@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from swarm_client.lora import AdapterSpec
 from swarm_client.protocol import MAX_STEP_TOKENS
 from worker.message_cap import DEFAULT_MAX_MESSAGE_BYTES
 from worker.uploads import DEFAULT_UPLOAD_BUDGET
@@ -25,6 +26,8 @@ class WorkerConfig:
     #: weight quantization of the projections: "none", "int8", "nf4" or "auto" (by the span's size vs the free
     #: memory); CPU: our int8/NF4 kernels, CUDA: bitsandbytes (worker/quant.py)
     quant: str = "none"
+    #: LoRA adapters served beside the base blocks (``--adapters NAME=PATH``; swarm_client/lora.py)
+    adapters: list[AdapterSpec] = field(default_factory=list)
     cache_tokens: int = 16384
     session_ttl: float = 300.0
     idle_timeout: float = 300.0

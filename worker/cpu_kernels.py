@@ -128,9 +128,19 @@ def pack_linears(block: nn.Module, kind: str = "onednn") -> int:
     ``PackedLinear`` (``"onednn"``); returns how many."""
     packer = {"panels": PanelLinear, "onednn": PackedLinear}[kind]
     count = 0
-    for parent in list(block.modules()):
-        for name, child in list(parent.named_children()):
-            if name in PACKABLE and type(child) is nn.Linear:
-                setattr(parent, name, packer(child))
-                count += 1
+    for parent, name, child in projections(block):
+        setattr(parent, name, packer(child))
+        count += 1
     return count
+
+
+def projections(block: nn.Module) -> list[tuple[nn.Module, str, nn.Linear]]:
+    """``(parent, name, linear)`` of the block's plain ``PACKABLE`` projections; under a PEFT LoRA layer
+    (swarm_client/lora.py) the projection is the LoRA layer's ``base_layer``."""
+    found = []
+    for path, parent in list(block.named_modules()):
+        own = path.rsplit(".", 1)[-1]
+        for name, child in list(parent.named_children()):
+            if type(child) is nn.Linear and (name in PACKABLE or (name == "base_layer" and own in PACKABLE)):
+                found.append((parent, name, child))
+    return found

@@ -54,6 +54,7 @@ class ForwardBackward(WireChecks):
                 self._check_forward_size(hidden)
                 start, end = self._blocks(metadata)
                 prompts = self._check_prompts(tensors[1], hidden, end - start) if len(tensors) == 2 else None
+                adapter = self._adapter(metadata)
                 t0 = time.perf_counter()
                 out = await self._compute(
                     self.runner.forward,
@@ -61,6 +62,7 @@ class ForwardBackward(WireChecks):
                     bool(metadata.get("output_hidden_states")),
                     self._relative(start, end),
                     prompts,
+                    adapter,
                 )
                 self.tokens_processed += hidden.shape[0] * hidden.shape[1]
                 if self.metrics is not None:
@@ -96,9 +98,10 @@ class ForwardBackward(WireChecks):
                 self._check_forward_size(hidden)
                 start, end = self._blocks(metadata)
                 prompts = self._check_prompts(tensors[2], hidden, end - start) if len(tensors) == 3 else None
+                adapter = self._adapter(metadata)
                 t0 = time.perf_counter()
                 grad, grad_prompts = await self._compute(
-                    self.runner.backward, hidden, grad_output, self._relative(start, end), prompts
+                    self.runner.backward, hidden, grad_output, self._relative(start, end), prompts, adapter
                 )
                 if self.metrics is not None:
                     tokens = hidden.shape[0] * hidden.shape[1]

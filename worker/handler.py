@@ -61,6 +61,8 @@ class BlockHandler(StepBundles, ForwardBackward, protocol.BlockRPC):
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="compute")
         self.batcher = StepBatcher(runner, self.executor, single_stream=lambda: self.active_streams <= 1)
         self.accepting = True
+        #: the LoRA adapters loaded into the span (``--adapters``), which sessions and requests may name
+        self.adapters: frozenset[str] = frozenset()
         #: test-only fault injection: "nan", "hang" or "wrong-shape" after ``fault_after`` inference steps
         self.fault: str | None = None
         self.fault_after = 0

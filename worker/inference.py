@@ -146,7 +146,13 @@ class InferenceStreams(ServerPush):
             wanted = spec.get("max_length")
             if wanted is not None and (not isinstance(wanted, int) or isinstance(wanted, bool) or wanted < 1):
                 raise InvalidInputError(f"max_length must be a positive int, got {wanted!r}")
-            return self.caches.resume(session_id, owner, max_length=wanted, resume_token=spec.get("resume_token"))
+            cache = self.caches.resume(session_id, owner, max_length=wanted, resume_token=spec.get("resume_token"))
+            if "adapter" in spec and spec["adapter"] != cache.adapter:
+                raise InvalidInputError(
+                    f"session {session_id[:80]!r} runs with adapter {cache.adapter!r}, not {spec['adapter']!r}"
+                )
+            return cache
+        adapter = self._adapter(spec)
         start, end = self._blocks(spec)
         batch_size, max_length = spec.get("batch_size", 1), spec.get("max_length")
         if not isinstance(batch_size, int) or not 1 <= batch_size <= self.limits.max_batch_size:
@@ -157,6 +163,7 @@ class InferenceStreams(ServerPush):
             raise InvalidInputError(f"max_length must be a positive int, got {max_length!r}")
         cache = self.caches.open(session_id, batch_size, max_length, owner=owner, num_layers=end - start)
         cache.blocks = self._relative(start, end)
+        cache.adapter = adapter
         cache.resume_digest = token_digest(spec.get("resume_token"))
         cache.push_digest = token_digest(spec.get("push_token"))
         return cache

@@ -5,12 +5,14 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import logging
+from collections.abc import Sequence
 
 import torch
 from torch import nn
 from transformers import PretrainedConfig
 
 from swarm_client.families import Family
+from swarm_client.lora import AdapterSpec, apply_adapters, read_adapter
 from swarm_client.model_source import ensure_shards
 from swarm_client.weights import load_tensors
 from worker.cpu_kernels import pack_linears, resolve_cpu_kernels
@@ -30,6 +32,7 @@ def load_blocks(
     max_disk_space: int | str | None = None,
     cpu_kernels: str = "torch",
     quant: str = "none",
+    adapters: Sequence[AdapterSpec] = (),
 ) -> list[nn.Module]:
     """Blocks ``[start, end)`` in ``dtype`` on ``device``; tensors of other blocks are never read.
 
@@ -39,6 +42,8 @@ def load_blocks(
     ``onednn``; worker/cpu_kernels.py); elsewhere, and with ``torch``, blocks keep plain layers.
     ``quant`` (``none``, ``int8``, ``nf4``, ``auto``; worker/quant.py): each block's projections are
     quantized right after its tensors are read, so the span never sits in memory at full precision.
+    ``adapters``: PEFT LoRA checkpoints injected into every block (only the span's weights are read;
+    swarm_client/lora.py), before packing or quantizing, which then apply to the LoRA layers' base layers.
     """
     prefixes = [family.layer_prefix(i) for i in range(start, end)]
     shards = ensure_shards(model_dir, prefixes, max_disk_space)
@@ -48,6 +53,11 @@ def load_blocks(
         logger.info("projections run on %s kernels (asked for %s)", kind, cpu_kernels)
     on_gpu = device.type == "cuda" and quant != "none"  # bitsandbytes quantizes while moving to the GPU
     logger.info("blocks %d:%d live in %d checkpoint file(s): %s", start, end, len(shards), ", ".join(shards))
+    loaded = [read_adapter(spec, prefixes) for spec in adapters]
+    for spec, adapter in zip(adapters, loaded, strict=True):
+        logger.info(
+            "adapter %s (%s): %d tensors for blocks %d:%d", spec.name, spec.path, len(adapter.tensors), start, end
+        )
     blocks = []
     for index in range(start, end):
         prefix = family.layer_prefix(index)
@@ -57,6 +67,7 @@ def load_blocks(
             raise ValueError(f"checkpoint {model_dir} has no tensors for block {index} (prefix {prefix!r})")
         relative = {name[len(prefix) :]: t for name, t in tensors.items()}
         block = family.build_block(config, index, relative)
+        apply_adapters(block, prefix, loaded, config)
         block.requires_grad_(False)
         del tensors, relative  # the float weights of quantized projections go with them
         packed = 0

@@ -27,7 +27,7 @@ from torch import nn
 
 from swarm_client.precision import Quant
 from worker import quant_gemm
-from worker.cpu_kernels import PACKABLE, _PackedProjection
+from worker.cpu_kernels import _PackedProjection, projections
 
 logger = logging.getLogger(__name__)
 
@@ -81,13 +81,6 @@ class NF4Linear(_PackedProjection):
         return quant_gemm.nf4_linear(rows, self.panels, self.absmax, self.out_features, self.bias)
 
 
-def _projections(block: nn.Module):
-    for parent in list(block.modules()):
-        for name, child in list(parent.named_children()):
-            if name in PACKABLE and type(child) is nn.Linear:
-                yield parent, name, child
-
-
 def quantize_linears(block: nn.Module, quant: str) -> int:
     """Replace the CPU block's ``PACKABLE`` ``nn.Linear`` layers by ``Int8Linear`` / ``NF4Linear``; how many."""
     cls = {Quant.INT8.value: Int8Linear, Quant.NF4.value: NF4Linear}[quant]
@@ -95,7 +88,7 @@ def quantize_linears(block: nn.Module, quant: str) -> int:
         why = quant_gemm.load_error()
         logger.warning("quantized kernel unavailable (%s): %s runs on dequantized weights", why, quant)
     count = 0
-    for parent, name, child in _projections(block):
+    for parent, name, child in projections(block):
         setattr(parent, name, cls(child))
         count += 1
     return count
@@ -117,7 +110,7 @@ def quantize_linears_cuda(block: nn.Module, quant: str, compute_dtype: torch.dty
     ``convert_block`` does; their weights are quantized when the block is moved to the GPU."""
     bnb = bitsandbytes_module()
     count = 0
-    for parent, name, child in _projections(block):
+    for parent, name, child in projections(block):
         bias = child.bias is not None
         shape = (child.in_features, child.out_features, bias)
         if quant == Quant.INT8.value:

@@ -209,7 +209,9 @@ class BlockServer:
         where = (self.dtype, self.device)
         self.quant = await asyncio.to_thread(resolve_quant, cfg.quant, self.model_dir, prefixes, *where)
         args = (self.model_dir, self.config, self.family, start, end, *where)
-        blocks = await asyncio.to_thread(load_blocks, *args, cpu_kernels=cfg.cpu_kernels, quant=self.quant)
+        blocks = await asyncio.to_thread(
+            load_blocks, *args, cpu_kernels=cfg.cpu_kernels, quant=self.quant, adapters=cfg.adapters
+        )
         runner = SpanRunner(blocks, self.dtype, self.device)
         layout = self.family.cache_layout(self.config)
         caches = CacheManager(
@@ -233,6 +235,7 @@ class BlockServer:
             max_upload_bytes=cfg.max_upload_bytes,
         )
         handler = BlockHandler(runner, caches, self.config.hidden_size, start, end, self._info, limits)
+        handler.adapters = frozenset(spec.name for spec in cfg.adapters)
         handler.metrics = self.metrics
         handler.push_sender = self._push
         if cfg.fault:
@@ -287,6 +290,7 @@ class BlockServer:
             quant=self.quant,
             public_name=self.cfg.public_name,
             features=(protocol.STEP_BUNDLES,),
+            adapters=tuple(spec.name for spec in self.cfg.adapters),
             reachability=self.reachability,
             addrs=self.addrs,
         )

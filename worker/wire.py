@@ -17,7 +17,7 @@ from hivemind.proto import runtime_pb2
 from hivemind.utils.streaming import combine_from_streaming
 
 from swarm_client import protocol
-from swarm_client.errors import InvalidInputError, RemoteError, error_to_wire
+from swarm_client.errors import AdapterNotFoundError, InvalidInputError, RemoteError, error_to_wire
 from worker.uploads import DEFAULT_UPLOAD_BUDGET
 
 #: dtypes a tensor may arrive in (wire name → bytes per value once decoded); anything else is refused
@@ -65,6 +65,7 @@ class WireChecks:
     hidden_size: int
     start: int
     end: int
+    adapters: frozenset[str]
 
     _wire_error = staticmethod(wire_error)
 
@@ -225,6 +226,19 @@ class WireChecks:
                 f"blocks {start!r}:{end!r} are not within this server's span {self.start}:{self.end}"
             )
         return start, end
+
+    def _adapter(self, metadata: dict) -> str | None:
+        """The LoRA adapter a session or request names (``"adapter"``), one this server holds; None: base."""
+        name = metadata.get("adapter")
+        if name is None:
+            return None
+        if not isinstance(name, str) or name not in self.adapters:
+            held = ", ".join(sorted(self.adapters)) or "none"
+            raise AdapterNotFoundError(
+                f"this server holds no adapter {str(name)[:80]!r} (it holds: {held}); "
+                "route through servers that announce it"
+            )
+        return name
 
     def _relative(self, start: int, end: int) -> slice:
         return slice(start - self.start, end - self.start)

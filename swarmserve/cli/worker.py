@@ -45,6 +45,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="weight-only quantization of the projections: int8 (per-channel scales) or nf4 (bitsandbytes' "
         "4-bit NormalFloat); CPU: our kernels, CUDA: bitsandbytes; auto: the most precise that fits the memory",
     )
+    p.add_argument(
+        "--adapters",
+        nargs="+",
+        default=[],
+        metavar="NAME=PATH",
+        help="serve these PEFT LoRA adapters (directories or Hub ids) beside the base blocks; clients choose "
+        "one per session (active_adapter), the gateway lists each as the model BASE:NAME",
+    )
     p.add_argument("--cache-tokens", type=int, default=16384, help="KV-cache budget in token slots")
     p.add_argument("--session-ttl", type=float, default=300.0, help="keep a finished session's cache this long (s)")
     p.add_argument("--idle-timeout", type=float, default=300.0, help="close a stream idle for this long (s)")
@@ -123,10 +131,12 @@ def run(args: argparse.Namespace, rest: list[str]) -> int:
     import torch
 
     from swarm_client.config import parse_initial_peers
+    from swarm_client.lora import parse_adapter_specs
     from worker.server import WorkerConfig, run_worker
 
     try:  # fail before loading anything: a wrong address would announce a server nobody reaches
         announced_maddrs(args.public_ip, args.port, args.announce_maddrs)
+        adapters = parse_adapter_specs(args.adapters)
     except ValueError as exc:
         raise SystemExit(f"swarmserve worker: {exc}") from None
     if args.torch_threads:
@@ -141,6 +151,7 @@ def run(args: argparse.Namespace, rest: list[str]) -> int:
             dtype=args.dtype,
             cpu_kernels=args.cpu_kernels,
             quant=args.quant,
+            adapters=adapters,
             cache_tokens=args.cache_tokens,
             session_ttl=args.session_ttl,
             idle_timeout=args.idle_timeout,
