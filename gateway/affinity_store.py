@@ -70,13 +70,18 @@ class AffinityStore(ABC):
         return max(1, int(self.ttl_s * 1000))
 
     # ------------------------------------------------------------------ the API
-    async def claim(self, prompt_ids: Sequence[int], key: str | None = None, owner: str = "") -> Claim | None:
+    async def claim(
+        self, prompt_ids: Sequence[int], key: str | None = None, owner: str = "", adapter: str | None = None
+    ) -> Claim | None:
         """Take the record to resume for ``prompt_ids`` (the key's own record when ``key`` is given), among
-        ``owner``'s records only.
+        ``owner``'s records of sessions that ran the LoRA ``adapter`` (None: the base model) only: a cache
+        computed with other weights is never resumed, and a conversation keeps one record per adapter.
 
         Returns a ``Claim`` whose ``record`` is None when there is nothing to resume (a miss, or the match is
         in use by a concurrent request: start a fresh session), or None when the store is unavailable (serve
         without affinity)."""
+        if adapter is not None:  # the adapter's records live apart, as another owner's do (base: as before)
+            owner = f"{owner}\0adapter\0{adapter}"
         try:
             if key is not None:
                 return await self._claim_keyed(prompt_ids, key, owner)

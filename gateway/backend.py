@@ -15,6 +15,8 @@ Two optional abilities, each declared here so the engine reaches them through a 
   ``isinstance``): one call steps several sessions (gateway/decode_batch.py).
 - Every position's logits (``supports_all_logits = True``; check with ``can_speculate``): ``step(...,
   all_logits=True)``, which speculative decoding needs to check several guessed tokens in one step.
+- LoRA adapters (``AdapterBackend``: a backend with ``served_adapters``; check with ``isinstance``): the
+  adapters it can run now; ``open_session(..., adapter=NAME)`` opens a session running one (gateway/adapters.py).
 - Saying where a session runs (``RouteReportingBackend``: a backend with ``describe_route``; check with
   ``isinstance``): which servers hold its blocks, for the ``x-swarm-route`` headers (gateway/route_info.py).
 """
@@ -30,6 +32,7 @@ import torch
 
 __all__ = [
     "DEFAULT_CONTEXT_WINDOW",
+    "AdapterBackend",
     "BatchingBackend",
     "DecodeSession",
     "ModelBackend",
@@ -147,6 +150,16 @@ def accepts_on_ready(backend: BatchingBackend) -> bool:
         return "on_ready" in inspect.signature(backend.step_many).parameters
     except (TypeError, ValueError):
         return False
+
+
+@runtime_checkable
+class AdapterBackend(Protocol):
+    """A backend serving LoRA adapters besides the base model (``isinstance`` checks it is there); its
+    ``open_session`` takes ``adapter=NAME`` (a ``ResumableBackend``'s ``resume`` then continues a session only
+    if it ran the same adapter)."""
+
+    def served_adapters(self) -> list[str]:
+        """The adapters a session can run now (blocking: it may read the swarm's view)."""
 
 
 @dataclass(frozen=True)

@@ -36,6 +36,8 @@ class ChoiceSpec:
     speculation: str = "auto"
     #: text the drafter may copy from besides the prompt (OpenAI's ``prediction`` content), as token ids
     reference_ids: Sequence[int] = ()
+    #: the served LoRA adapter the choice runs (the request's ``model``; None: the base model)
+    adapter: str | None = None
 
 
 @dataclass

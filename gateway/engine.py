@@ -20,10 +20,10 @@ late step (a frozen server, a failover) holds up only its own choice (gateway/sw
 Prefix reuse (an affinity store and a ``ResumableBackend``): ``start`` claims the cached session sharing the
 longest prefix with choice 0's prompt and ``_prefill`` feeds only what that session does not already hold
 (``session.token_ids``), rolling back to the common prefix first; the tokens it did not have to send are the
-choice's ``cached_tokens``. Sessions ask for what the choice needs (prompt + ``max_tokens``); a later turn
-that resumes one raises its cap (the servers grow caches on demand: nothing is reserved). Only choice 0 takes part (the
-other choices of ``n > 1`` share its prompt but would need copies of the same caches; they prefill as
-before).
+choice's ``cached_tokens`` (only sessions of the choice's LoRA adapter are candidates). Sessions ask for what
+the choice needs (prompt + ``max_tokens``); a later turn that resumes one raises its cap (the servers grow
+caches on demand: nothing is reserved). Only choice 0 takes part (the other choices of ``n > 1`` share its
+prompt but would need copies of the same caches; they prefill as before).
 """
 
 from __future__ import annotations
@@ -140,7 +140,7 @@ class Engine(PromptRules):
         handles = [SessionHandle(self.executor, reuse if i == 0 else None) for i in range(len(specs))]
         try:
             results = await asyncio.gather(
-                *(h.open(self.backend, self._max_length(s, h)) for h, s in zip(handles, specs, strict=True)),
+                *(h.open(self.backend, self._max_length(s, h), s.adapter) for h, s in zip(handles, specs, strict=True)),
                 return_exceptions=True,
             )
             errors = [r for r in results if isinstance(r, BaseException)]
@@ -156,7 +156,7 @@ class Engine(PromptRules):
         # a store is kept only with a resumable backend; scoring the prompt feeds it token by token anyway
         if self.store is None or self.resumable is None or spec.prompt_logprobs:
             return None
-        claim = await self.store.claim(spec.prompt_ids, session_key, owner)
+        claim = await self.store.claim(spec.prompt_ids, session_key, owner, spec.adapter)
         return None if claim is None else Reuse(self.resumable, self.store, claim, self.replica_id)
 
     @staticmethod

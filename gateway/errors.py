@@ -107,9 +107,10 @@ class ModelNotFoundError(GatewayError):
     type = "invalid_request_error"
     code = "model_not_found"
 
-    def __init__(self, model: str):
+    def __init__(self, model: str, available: Sequence[str] = ()):
+        listed = f" Available models: {', '.join(available)}." if available else ""
         super().__init__(
-            f"The model `{model}` does not exist or you do not have access to it.", param="model"
+            f"The model `{model}` does not exist or you do not have access to it.{listed}", param="model"
         )
 
 

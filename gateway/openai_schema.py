@@ -388,6 +388,9 @@ class Model(OpenAIResponseModel):
     created: int
     object: Literal["model"] = "model"
     owned_by: str = "swarmserve"
+    # extras, as vLLM lists LoRA models: the base model (``root``), and for an adapter the model it adapts
+    root: str | None = None
+    parent: str | None = None
 
 
 class ModelList(OpenAIResponseModel):

@@ -13,19 +13,24 @@ share across threads.
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import importlib.metadata
+import logging
 import os
 from collections.abc import Sequence
 from typing import Any
 
-from gateway.backend import ModelBackend
+from gateway.adapters import ServedModel, parse_adapter_aliases, select_model, served_models
+from gateway.backend import AdapterBackend, ModelBackend
 from gateway.detokenize import TokenVocab
 from gateway.errors import ContextLengthExceededError, InvalidRequestError, ModelNotFoundError
 from gateway.settings import GatewaySettings
 from gateway.tokenize_thread import TokenizeThread, encode_lazily, tokens_past
 from gateway.tool_formats import TOOL_FORMATS, ToolFormat, detect_tool_format
 from swarm_client.dht_records import PROTOCOL_VERSION
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["PromptRules", "PromptTooLongError", "eos_token_ids"]
 
@@ -74,18 +79,37 @@ class PromptRules:
         #: the thread (and tokenizer copy) for request text: prompts of megabytes never hold the event loop
         self.tokenize = TokenizeThread(self.tokenizer)
         self._special_ids: dict[str, int | None] = {}
+        #: model name → the LoRA adapter it selects (``--adapter-alias NAME=ALIAS``; gateway/adapters.py)
+        self.adapter_aliases = parse_adapter_aliases(settings.adapter_aliases)
 
     @property
     def model_id(self) -> str:
         return self.backend.model_id
 
     def check_model(self, requested: str | None) -> None:
-        """The request must name the served model (its id or the id's basename); None means "the one"."""
-        if requested is None:
-            return
-        served = self.backend.model_id
-        if requested not in (served, os.path.basename(served.rstrip("/"))):
-            raise ModelNotFoundError(requested)
+        """The request must name the base model (its id or the id's basename); None means "the one"."""
+        select_model(requested, [ServedModel(self.backend.model_id)])
+
+    async def served_models(self) -> list[ServedModel]:
+        """The base model, then each LoRA adapter the backend can run now (``BASE:NAME``) and its aliases.
+        A backend that cannot say (the swarm unreachable) serves the base model only, for now."""
+        adapters: list[str] = []
+        if isinstance(self.backend, AdapterBackend):
+            try:
+                adapters = await asyncio.to_thread(self.backend.served_adapters)
+            except Exception as exc:
+                logger.warning("could not read the served adapters: %s", exc)
+        return served_models(self.backend.model_id, adapters, self.adapter_aliases)
+
+    async def select_model(self, requested: str | None) -> ServedModel:
+        """The served model the request's ``model`` names (None: the base model), a 404 ``model_not_found``
+        listing those that exist otherwise. The base model's names need no look at the swarm."""
+        try:
+            return select_model(requested, [ServedModel(self.backend.model_id)])
+        except ModelNotFoundError:
+            if not isinstance(self.backend, AdapterBackend):
+                raise
+        return select_model(requested, await self.served_models())
 
     def max_tokens_for(self, prompt_len: int, requested: int | None, *, param: str) -> int:
         """The completion budget: ``requested`` if it fits the context window (else a 400 naming both), or

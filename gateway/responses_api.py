@@ -30,6 +30,7 @@ from pydantic import BaseModel
 from sse_starlette import EventSourceResponse
 from starlette.background import BackgroundTask
 
+from gateway.adapters import ServedModel
 from gateway.capacity_queue import NEED
 from gateway.choices import ChoiceResult, ChoiceSpec
 from gateway.engine import Engine
@@ -78,8 +79,12 @@ class ResponseNotFoundError(GatewayError):
 class _Turn:
     """One request, checked and rendered: everything both the JSON and the SSE answer need."""
 
-    def __init__(self, engine: Engine, req: ResponseCreateRequest, request: Request, store: ResponsesStore):
+    def __init__(
+        self, engine: Engine, req: ResponseCreateRequest, request: Request, store: ResponsesStore, served: ServedModel
+    ):
         self.engine = engine
+        #: the base model or the LoRA adapter the request's ``model`` names
+        self.served = served
         self.req = req
         self.id = f"resp_{uuid.uuid4().hex}"
         self.message_id = f"msg_{uuid.uuid4().hex}"
@@ -100,7 +105,7 @@ class _Turn:
         #: the prompt ids and completion budget, set by ``fit``
         self.prompt: list[int] = []
         self.max_tokens = 0
-        self.model = engine.model_id
+        self.model = served.id
         self.created = ResponseObject(id=self.id, status="in_progress", model=self.model).created_at
 
     async def fit(self) -> None:
@@ -186,9 +191,9 @@ class _Turn:
 async def create_response(
     engine: Engine, req: ResponseCreateRequest, request: Request, store: ResponsesStore
 ) -> Response:
-    engine.check_model(req.model)
+    served = await engine.select_model(req.model)
     check_supported(req)
-    turn = _Turn(engine, req, request, store)
+    turn = _Turn(engine, req, request, store, served)
     await turn.fit()
     response_format = response_format_of(req.text)
     try:
@@ -196,7 +201,7 @@ async def create_response(
     except InvalidRequestError as exc:  # it speaks of chat's response_format; here it is text.format
         message = exc.message.replace("response_format", "text.format")
         raise InvalidRequestError(message, param="text.format", code=exc.code) from None
-    spec = ChoiceSpec(0, turn.prompt, turn.max_tokens, turn.sampling(grammar))
+    spec = ChoiceSpec(0, turn.prompt, turn.max_tokens, turn.sampling(grammar), adapter=served.adapter)
     try:  # a 400 if the swarm could never hold it; else its cache is reserved while it runs
         NEED.set(admission_need(engine, [spec]))
     except InvalidRequestError as exc:  # it speaks of chat's max_tokens; here it is max_output_tokens

@@ -59,7 +59,7 @@ __all__ = ["create_chat_completion", "create_completion"]
 
 
 async def create_chat_completion(engine: Engine, req: ChatCompletionRequest, request: Request) -> Response:
-    engine.check_model(req.model)
+    served = await engine.select_model(req.model)  # the base model or a LoRA adapter (a 404 if neither)
     _reject_unsupported_chat(req)
     fmt = engine.tool_format
     tools = plan_tools(req, fmt)  # None: no tool in play
@@ -91,10 +91,11 @@ async def create_chat_completion(engine: Engine, req: ChatCompletionRequest, req
             keep_special_tokens=keep_special,
             speculation=req.speculation or "auto",
             reference_ids=reference,
+            adapter=served.adapter,
         )
         for i in range(n)
     ]
-    model = engine.model_id
+    model = served.id
     completion_id = f"chatcmpl-{uuid.uuid4().hex}"
     NEED.set(admission_need(engine, specs))  # a 400 if the swarm could never hold it; else reserved
     generation = await engine.start(specs, session_key(request, req.user), cache_owner(request))
@@ -141,7 +142,7 @@ async def create_chat_completion(engine: Engine, req: ChatCompletionRequest, req
 
 
 async def create_completion(engine: Engine, req: CompletionRequest, request: Request) -> Response:
-    engine.check_model(req.model)
+    served = await engine.select_model(req.model)  # the base model or a LoRA adapter (a 404 if neither)
     if req.suffix is not None:
         raise UnsupportedParameterError("suffix", "is not supported by this model")
     if req.best_of is not None and req.best_of != 1:
@@ -173,10 +174,11 @@ async def create_completion(engine: Engine, req: CompletionRequest, request: Req
                     k,
                     prompt_logprobs=bool(req.echo) and k is not None,
                     speculation=req.speculation or "auto",
+                    adapter=served.adapter,
                 )
             )
     prompt_tokens = sum(len(ids) for ids, _ in prompts)
-    model = engine.model_id
+    model = served.id
     completion_id = f"cmpl-{uuid.uuid4().hex}"
     NEED.set(admission_need(engine, specs))  # a 400 if the swarm could never hold it; else reserved
     generation = await engine.start(specs, session_key(request, req.user), cache_owner(request))

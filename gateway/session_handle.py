@@ -38,7 +38,7 @@ from swarm_client.errors import SessionLost, SwarmError
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ReusableSession", "Reuse", "SessionHandle", "open_reusable"]
+__all__ = ["ReusableSession", "Reuse", "SessionHandle", "adapter_option", "open_reusable"]
 
 T = TypeVar("T")
 
@@ -48,12 +48,21 @@ class ReusableSession:
     mid-request (``SessionLost``), it opens a fresh session and feeds it every token the lost one held plus
     the new ones: the same cache and the same logits, so the caller cannot tell (``restarted`` says it)."""
 
-    def __init__(self, backend: ResumableBackend, inner: ResumableSession, max_length: int, resumed: bool):
+    def __init__(
+        self,
+        backend: ResumableBackend,
+        inner: ResumableSession,
+        max_length: int,
+        resumed: bool,
+        adapter: str | None = None,
+    ):
         self.backend = backend
         self.inner = inner
         self.max_length = max_length
         self.resumed = resumed
         self.restarted = False
+        #: the LoRA adapter it runs (None: the base model); a fresh session replacing it runs the same one
+        self.adapter = adapter
 
     @property
     def position(self) -> int:
@@ -79,7 +88,7 @@ class ReusableSession:
         logger.info(
             "a resumed session was lost (%s); re-prefilling %d tokens in a fresh one", lost, len(held)
         )
-        self.inner = self.backend.open_session(self.max_length)
+        self.inner = self.backend.open_session(self.max_length, **adapter_option(self.adapter))
         self.resumed, self.restarted = False, True
         if not all_logits:
             return self.inner.step(held + list(token_ids))
@@ -95,22 +104,28 @@ class ReusableSession:
         self.inner.close()
 
 
+def adapter_option(adapter: str | None) -> dict[str, str]:
+    """``open_session``'s keyword for a LoRA ``adapter``: none for the base model (every backend takes that)."""
+    return {} if adapter is None else {"adapter": adapter}
+
+
 def open_reusable(
-    backend: ResumableBackend, max_length: int, snapshot: SessionSnapshot | None
+    backend: ResumableBackend, max_length: int, snapshot: SessionSnapshot | None, adapter: str | None = None
 ) -> ReusableSession:
-    """Resume ``snapshot``'s session, or open a fresh one when there is none or its caches are gone."""
+    """Resume ``snapshot``'s session, or open a fresh one when there is none or its caches are gone (both
+    running ``adapter``)."""
     inner: ResumableSession | None = None
     if snapshot is not None:
         try:
-            inner = backend.open_session(max_length, resume=snapshot)
+            inner = backend.open_session(max_length, resume=snapshot, **adapter_option(adapter))
         except SwarmError as exc:  # expired, evicted, a server left: prefill afresh
             logger.info("could not resume a cached session (%s); prefilling afresh", exc)
         except Exception:
             logger.warning("resuming a cached session failed; prefilling afresh", exc_info=True)
     resumed = inner is not None
     if inner is None:
-        inner = backend.open_session(max_length)
-    return ReusableSession(backend, inner, max_length, resumed)
+        inner = backend.open_session(max_length, **adapter_option(adapter))
+    return ReusableSession(backend, inner, max_length, resumed, adapter)
 
 
 @dataclass
@@ -163,16 +178,17 @@ class SessionHandle:
         # shield: a cancelled caller must not leave the thread running while we close the session
         return await asyncio.shield(fut)
 
-    async def open(self, backend: ModelBackend, max_length: int) -> None:
-        """Open the session (``reuse``: resume its claimed one through ``reuse.backend``) for ``max_length``."""
+    async def open(self, backend: ModelBackend, max_length: int, adapter: str | None = None) -> None:
+        """Open the session (``reuse``: resume its claimed one through ``reuse.backend``) for ``max_length``,
+        running the LoRA ``adapter`` (None: the base model)."""
         if self.reuse is not None:
             record = self.reuse.claim.record
             snapshot = SessionSnapshot(record.state, record.token_ids) if record is not None else None
             opener: Callable[[], DecodeSession] = functools.partial(
-                open_reusable, self.reuse.backend, max_length, snapshot
+                open_reusable, self.reuse.backend, max_length, snapshot, adapter
             )
         else:
-            opener = functools.partial(backend.open_session, max_length)
+            opener = functools.partial(backend.open_session, max_length, **adapter_option(adapter))
         fut = asyncio.get_running_loop().run_in_executor(self._executor, opener)
         self._opening = self._inflight = fut
         self.session = await asyncio.shield(fut)

@@ -19,6 +19,9 @@ class GatewaySettings(BaseSettings):
 
     #: path or hub id of the served model; requests may name it or its basename
     model: str = "HuggingFaceTB/SmolLM2-135M-Instruct"
+    #: extra model names of served LoRA adapters, ``NAME=ALIAS`` (the model ``ALIAS`` runs adapter ``NAME``;
+    #: ``BASE:NAME`` always does): gateway/adapters.py
+    adapter_aliases: Annotated[list[str], NoDecode] = Field(default_factory=list)
     host: str = "127.0.0.1"
     port: int = Field(default=8000, ge=0, le=65535)
     cors_origins: Annotated[list[str], NoDecode] = Field(default_factory=lambda: ["*"])
@@ -97,6 +100,7 @@ class GatewaySettings(BaseSettings):
         "auth_exempt_paths",
         "trusted_proxies",
         "trusted_peers",
+        "adapter_aliases",
         mode="before",
     )
     @classmethod

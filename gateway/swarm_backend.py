@@ -14,6 +14,7 @@ Reuse across requests: ``SwarmSession.detach()`` closes the streams with ``keep_
 the caches for their ``--session-ttl``) and returns ``InferenceSession.export_state()`` — every hop's peer id
 and server session id — plus the token ids; ``open_session(resume=snapshot)`` re-attaches to exactly those
 server sessions (``InferenceSession.resume``), from this process or any other gateway replica.
+LoRA adapters (gateway/adapters.py): a session's ``adapter`` runs on servers announcing it, resumes only its own.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from typing import Any
 import torch
 from transformers import AutoTokenizer
 
+from gateway.adapters import served_adapters
 from gateway.backend import DecodeSession, RouteHopInfo, SessionRoute, SessionSnapshot, context_window
 from gateway.swarm_steps import run_steps
 from gateway.swarm_view import reachability_label
@@ -201,21 +203,31 @@ class SwarmBackend:
         with self._lock:
             return len(self._sessions)
 
+    def served_adapters(self) -> list[str]:
+        """The LoRA adapters whose servers cover the whole model in the swarm view (``update_period`` old)."""
+        with _as_swarm_errors():
+            return served_adapters(runtime.run(self.manager.update()), self.num_blocks)
+
     def open_session(
-        self, max_length: int, session_id: str | None = None, resume: SessionSnapshot | None = None
+        self,
+        max_length: int,
+        session_id: str | None = None,
+        resume: SessionSnapshot | None = None,
+        adapter: str | None = None,
     ) -> SwarmSession:
         """A session whose route is known to exist (else ``NoRouteError``: a 503 before any stream starts),
-        or with ``resume`` the detached session it describes (``SessionNotFoundError`` if that is gone)."""
+        or with ``resume`` the detached session it describes (``SessionNotFoundError`` if that is gone, or ran
+        another adapter). ``adapter``: the served LoRA adapter it runs (None: the base model)."""
         if max_length > self.max_context:
             raise ValueError(f"max_length {max_length} exceeds the context window {self.max_context}")
         if self._closed:
             raise PeerError("the gateway's swarm client is shut down")
         if resume is not None:
-            return self._resume(max_length, resume)
+            return self._resume(max_length, resume, adapter)
         with _as_swarm_errors():
             # a missing span is a 503 at once (opening below would wait out the failover deadline for one)
-            runtime.run(self.manager.make_route(0, self.num_blocks, cache_tokens_needed=max_length))
-        inner = self.model.blocks.inference_session(max_length, batch_size=1, session_id=session_id)
+            runtime.run(self.manager.make_route(0, self.num_blocks, max_length, adapter))
+        inner = self.model.blocks.inference_session(max_length, 1, session_id, adapter=adapter)
         with _as_swarm_errors():
             # the servers' streams open now, not on the first step: no room anywhere (SwarmBusyError) or no
             # server able to hold the session (SessionTooLongError) are answers before any stream starts
@@ -230,13 +242,15 @@ class SwarmBackend:
             self._sessions.add(session)
         return session
 
-    def _resume(self, max_length: int, snapshot: SessionSnapshot) -> SwarmSession:
+    def _resume(self, max_length: int, snapshot: SessionSnapshot, adapter: str | None = None) -> SwarmSession:
         """The detached session ``snapshot`` describes, its cap raised to ``max_length`` when this turn needs
         more room than earlier ones asked for (servers grow caches on demand: nothing is reserved)."""
         state = snapshot.state
         held = int(state.get("position", 0))
         if (state.get("start"), state.get("end")) != (0, self.num_blocks) or len(snapshot.token_ids) > held:
             raise SessionNotFoundError("the snapshot does not describe a whole-model session of this model")
+        if state.get("adapter") != adapter:  # its caches hold another adapter's keys and values
+            raise SessionNotFoundError(f"the snapshot ran adapter {state.get('adapter')!r}, not {adapter!r}")
         with _as_swarm_errors():
             inner = InferenceSession.resume(self.manager, state, keep_on_close=False, max_length=max_length)
         session = SwarmSession(self, inner, inner.max_length, inner.session_id)

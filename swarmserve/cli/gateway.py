@@ -16,6 +16,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--initial-peers", nargs="+", required=True, help="multiaddr(s) of DHT peers")
     p.add_argument("--dht-prefix", default=None, help="DHT namespace (default: the model's basename)")
     p.add_argument("--model-id", default=None, help="the name clients use (default: --model)")
+    p.add_argument(
+        "--adapter-alias",
+        nargs="+",
+        default=None,
+        metavar="NAME=ALIAS",
+        help="another model name for a served LoRA adapter: requests for model ALIAS run adapter NAME (MODEL_ID:NAME "
+        "always does; also: SWARMSERVE_ADAPTER_ALIASES)",
+    )
     p.add_argument("--redis-url", default=None, help="session-affinity store and rate-limit counters (default: memory)")
     add_listen_flags(p, "the HTTP API", 8000)
     add_client_flags(p)
@@ -188,6 +196,7 @@ def run(args: argparse.Namespace, rest: list[str]) -> int:
         **limit_settings(args),
         **trust_settings(args),
         **speculation_settings(args),
+        **({"adapter_aliases": args.adapter_alias} if args.adapter_alias else {}),
     )
     cfg = GatewayConfig(
         settings, model_id=args.model_id, dht_prefix=args.dht_prefix, client_options=client_options(args, settings)
