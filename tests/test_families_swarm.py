@@ -14,9 +14,11 @@ from typing import Any
 
 import pytest
 import torch
+from peft import PeftModel
 from transformers import AutoModelForCausalLM
 
 from swarm_client import AutoDistributedModelForCausalLM
+from swarm_client.tiny_lora import make_random_lora
 from swarm_client.tiny_model import make_tiny_model
 from swarmserve.launcher import wait_ready
 from tests.swarm_fixtures import Swarm
@@ -30,12 +32,16 @@ ATOL = 1e-4
 def served(request, tmp_path_factory) -> Iterator[tuple[Any, Any]]:
     """(distributed model over two workers holding blocks 0:2 and 2:4, local 🤗 model); the workers start
     together."""
-    model_dir = str(make_tiny_model(tmp_path_factory.mktemp(request.param) / "model", family=request.param))
+    root = tmp_path_factory.mktemp(request.param)
+    model_dir = str(make_tiny_model(root / "model", family=request.param))
     local = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    adapter = str(make_random_lora(model_dir, root / "lora", seed=1))  # served beside the base blocks
     with Swarm(model_dir) as s:
-        wait_ready([s.add_worker(blocks=span, wait=False) for span in ("0:2", "2:4")], timeout=120.0)
+        starting = [s.add_worker("--adapters", f"a1={adapter}", blocks=span, wait=False) for span in ("0:2", "2:4")]
+        wait_ready(starting, timeout=120.0)
         dist = AutoDistributedModelForCausalLM.from_pretrained(model_dir, initial_peers=[s.initial_peers])
         dist.served_from = (model_dir, s.initial_peers)  # for the gateway engine's checks below
+        dist.adapter_path = adapter
         try:
             yield dist, local
         finally:
@@ -98,6 +104,30 @@ def test_forward_logits_match_local(served) -> None:
     ids = _ids(local.config, 2, 13, seed=0)
     with torch.no_grad():
         torch.testing.assert_close(dist(ids).logits, local(ids).logits, atol=ATOL, rtol=0)
+
+
+def test_served_adapter_equals_peft_merged(served) -> None:
+    """The workers' LoRA adapter (``--adapters a1=PATH``) against the local model with it merged by PEFT:
+    logits within 1e-4, greedy tokens identical, and the adapter does change the output."""
+    dist, local = served
+    merged = PeftModel.from_pretrained(
+        AutoModelForCausalLM.from_pretrained(dist.served_from[0], dtype=torch.float32), dist.adapter_path
+    ).merge_and_unload().eval()
+    ids = _ids(local.config, 1, 9, seed=3)
+    with torch.no_grad(), dist.inference_session(max_length=32, adapter="a1") as session:
+        logits = dist(ids, session=session).logits
+        expected = merged(ids).logits
+    torch.testing.assert_close(logits, expected, atol=ATOL, rtol=0)
+    assert (expected - local(ids).logits).abs().max() > 0.05
+    tokens = []
+    with torch.no_grad(), dist.inference_session(max_length=32, adapter="a1") as session:
+        step = dist(ids, session=session).logits
+        for _ in range(8):
+            token = step[:, -1].argmax(-1, keepdim=True)
+            tokens.append(int(token))
+            step = dist(token, session=session).logits
+    reference = merged.generate(ids, max_new_tokens=8, min_new_tokens=8, do_sample=False)
+    assert tokens == reference[0, ids.shape[1] :].tolist()
 
 
 def test_greedy_generate_identical(served) -> None:
