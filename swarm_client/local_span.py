@@ -6,6 +6,10 @@ the remote hops, hidden states, slices of ``model.blocks`` and backward work as 
 never pinged, banned, spot-checked or pushed to. Compute runs on one thread of its own (never on the I/O
 loop, whose other sessions keep talking to their servers meanwhile).
 
+Training: ``span.blocks`` (``model.manager.local.blocks``) is an ``nn.ModuleList``; parameters in it that
+require grad (LoRA weights injected with PEFT, or the blocks' own after ``requires_grad_(True)``) get their
+gradients in ``backward``, when the loss's backward crosses the local hop (``examples/lora_training.py``).
+
 KV caches: one per session, ``[B, Hkv, capacity, D]`` per layer, grown on demand up to the session's
 ``max_length`` within a budget of ``max_cache_tokens`` (tokens × batch rows, over every session); a session
 closed frees its cache, one closed with ``keep`` stays resumable for ``keep_ttl`` seconds (the gateway's
@@ -96,7 +100,8 @@ class LocalSpan:
         max_cache_tokens: int = DEFAULT_CACHE_TOKENS,
         keep_ttl: float = DEFAULT_KEEP_TTL,
     ):
-        self.blocks = blocks
+        #: an ``nn.Module``, so PEFT can put LoRA layers into the blocks in place (they train: see ``backward``)
+        self.blocks = nn.ModuleList(blocks)
         self.start, self.end = start, start + len(blocks)
         self.layout, self.dtype, self.device = layout, dtype, device
         self.max_cache_tokens, self.keep_ttl = max_cache_tokens, keep_ttl
@@ -133,7 +138,7 @@ class LocalSpan:
     def hop(self) -> RouteHop:
         return RouteHop(LOCAL_PEER, self.start, self.end)
 
-    def _blocks(self, start: int, end: int) -> list[nn.Module]:
+    def _blocks(self, start: int, end: int) -> nn.ModuleList:
         if not self.start <= start <= end <= self.end:
             raise InvalidInputError(f"blocks {start}:{end} are not all local (local: {self.start}:{self.end})")
         return self.blocks[start - self.start : end - self.start]
@@ -166,16 +171,24 @@ class LocalSpan:
     def backward(
         self, hidden: torch.Tensor, grad_output: torch.Tensor, start: int, end: int, prompts: torch.Tensor | None
     ) -> list[torch.Tensor]:
-        """As a server's ``rpc_backward`` (the forward recomputed): ``[grad_hidden(, grad_prompts)]``."""
+        """As a server's ``rpc_backward`` (the forward recomputed): ``[grad_hidden(, grad_prompts)]``.
+
+        Unlike a server's, these blocks may train: parameters with ``requires_grad`` (e.g. LoRA weights that
+        ``peft.inject_adapter_in_model`` put into ``blocks``) get their gradients accumulated into ``.grad``.
+        """
+        blocks = self._blocks(start, end)
+        params = [param for block in blocks for param in block.parameters() if param.requires_grad]
         with torch.enable_grad():
             x0 = hidden.to(self.device, self.dtype).detach().requires_grad_(True)
             p = None if prompts is None else prompts.to(self.device, self.dtype).detach().requires_grad_(True)
             x = x0
-            for i, block in enumerate(self._blocks(start, end)):
+            for i, block in enumerate(blocks):
                 x = block(x if p is None else _add_prompt(x, p[i]), 0, None)
             inputs = (x0,) if p is None else (x0, p)
-            grads = torch.autograd.grad(x, inputs, grad_output.to(self.device, self.dtype))
-        return [g.to("cpu", hidden.dtype) for g in grads]
+            grads = torch.autograd.grad(x, (*inputs, *params), grad_output.to(self.device, self.dtype))
+        for param, grad in zip(params, grads[len(inputs) :], strict=True):
+            param.grad = grad if param.grad is None else param.grad + grad
+        return [g.to("cpu", hidden.dtype) for g in grads[: len(inputs)]]
 
     # ------------------------------------------------------------------ sessions
     def open_cache(
