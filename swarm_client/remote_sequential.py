@@ -211,7 +211,12 @@ class _RemoteForward(torch.autograd.Function):
         manager: SequenceManager,
         start: int,
         end: int,
+        *local_params: torch.Tensor,
     ) -> torch.Tensor:
+        """``local_params``: trainable parameters of the client's local blocks in ``[start, end)``, inputs only so
+        that autograd calls ``backward`` even when nothing before the blocks trains (``LocalSpan.backward``
+        accumulates their gradients itself)."""
+        ctx.num_local_params = len(local_params)
         wire_prompts = None if prompts is None else prompts.detach().cpu()
         out, trace, _ = runtime.run(_run_span(manager, start, end, hidden.detach().cpu(), prompts=wire_prompts))
         ctx.manager, ctx.trace, ctx.start = manager, trace, start
@@ -230,7 +235,7 @@ class _RemoteForward(torch.autograd.Function):
                 grad_prompts[start - ctx.start : end - ctx.start] = piece.to(dtype)
             grad_prompts = grad_prompts.to(device)
         device, dtype = ctx.hidden_meta
-        return grad.to(device, dtype), grad_prompts, None, None, None
+        return grad.to(device, dtype), grad_prompts, None, None, None, *([None] * ctx.num_local_params)
 
 
 class RemoteSequential(nn.Module):
@@ -285,7 +290,15 @@ class RemoteSequential(nn.Module):
         self._check(hidden, prompts)
         if len(self) == 0:
             return hidden
-        return _RemoteForward.apply(hidden, prompts, self.manager, self.start, self.end)
+        return _RemoteForward.apply(hidden, prompts, self.manager, self.start, self.end, *self._local_trainables())
+
+    def _local_trainables(self) -> list[torch.Tensor]:
+        """Trainable parameters of the client's local blocks inside this slice (e.g. LoRA put there with PEFT)."""
+        local = self.manager.local
+        if local is None or not torch.is_grad_enabled() or local.end <= self.start or self.end <= local.start:
+            return []
+        blocks = local.blocks[max(self.start, local.start) - local.start : min(self.end, local.end) - local.start]
+        return [param for block in blocks for param in block.parameters() if param.requires_grad]
 
     def forward_with_states(
         self, hidden: torch.Tensor, prompts: torch.Tensor | None = None

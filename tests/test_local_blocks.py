@@ -146,6 +146,44 @@ def test_backward_through_local_and_remote_blocks(model, local_llama) -> None:
     assert ours[1][0].abs().max() > 1e-3 and ours[1][-1].abs().max() > 1e-3  # local and remote blocks' gradients
 
 
+def test_lora_on_local_blocks_alone_trains(the_swarm, tiny_llama, local_llama) -> None:
+    """PEFT LoRA injected into the client's local block 1 only (embeddings frozen, no prompts): its gradients
+    arrive, and equal those of the same LoRA on the local 🤗 model's layer 1."""
+    import copy
+
+    from peft import LoraConfig, inject_adapter_in_model
+
+    config = LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    ours = AutoDistributedModelForCausalLM.from_pretrained(
+        tiny_llama, initial_peers=[the_swarm.initial_peers], local_blocks="0:2"
+    )
+    try:
+        ours.requires_grad_(False)
+        torch.manual_seed(0)
+        inject_adapter_in_model(config, ours.manager.local.blocks[1])
+        theirs = copy.deepcopy(local_llama)
+        theirs.requires_grad_(False)
+        inject_adapter_in_model(config, theirs.model.layers[1])
+        lora = {n: p for n, p in ours.manager.local.blocks[1].named_parameters() if "lora_" in n}
+        assert lora and all(p.requires_grad for p in lora.values())
+        reference = {n.removeprefix("layer."): p for n, p in lora.items()}
+        with torch.no_grad():  # the same LoRA weights on both sides
+            for name, param in theirs.model.layers[1].named_parameters():
+                if "lora_" in name:
+                    param.copy_(reference[name])
+        labels = PROMPT.roll(-1, 1)
+        for model in (ours, theirs):
+            loss = F.cross_entropy(model(PROMPT).logits.flatten(0, 1), labels.flatten())
+            loss.backward()
+        for name, param in theirs.model.layers[1].named_parameters():
+            if "lora_" in name:
+                assert reference[name].grad is not None, name
+                torch.testing.assert_close(reference[name].grad, param.grad, atol=ATOL, rtol=0)
+        assert any(p.grad.abs().max() > 1e-4 for p in lora.values())
+    finally:
+        ours.shutdown()
+
+
 def test_slices_of_blocks_cross_the_local_span(model, local_llama) -> None:
     with torch.no_grad():
         hs = local_llama(PROMPT, output_hidden_states=True).hidden_states  # hs[i]: input of block i
