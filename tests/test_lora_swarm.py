@@ -152,3 +152,41 @@ def test_missing_adapter_is_a_no_route_error_naming_it(served) -> None:
     finally:
         model.manager.config.route_wait = wait
     assert info.value.adapter == "nope" and info.value.missing_blocks == [0, 1, 2, 3]
+
+
+def test_spot_checks_compare_like_with_like(served, references) -> None:
+    """Every step spot-checked: the checker of blocks 0:2 is the other server holding a1, asked to run a1,
+    so an honest server is never found to disagree (a checker running the base model would ban it)."""
+    model, _ = served
+    rate, model.manager.config.spot_check_rate = model.manager.config.spot_check_rate, 1.0
+    try:
+        prompt = _ids(20)
+        model.manager.config.active_adapter = "a1"
+        tokens, session = greedy_session(model, prompt, 6)
+    finally:
+        model.manager.config.active_adapter = None
+        model.manager.config.spot_check_rate = rate
+    assert session.spot_checks > 0 and session.spot_check_failures == 0
+    assert not model.manager.bans.banned()
+    assert tokens == _reference_greedy(references["a1"], prompt, 6)
+
+
+def test_failover_mid_session_keeps_the_adapter(served, references) -> None:
+    """Runs last (it kills a worker): the server of blocks 0:2 in an a1 session is SIGKILLed mid-generation;
+    the session replays its history onto the other server holding a1 there, and its tokens still equal the
+    merged a1 reference."""
+    model, s = served
+    prompt = _ids(30)
+    expected = _reference_greedy(references["a1"], prompt, 10)
+    tokens, killed = [], None
+    with torch.no_grad(), model.inference_session(max_length=40, adapter="a1") as session:
+        logits = model(prompt, session=session).logits
+        for i in range(10):
+            token = logits[:, -1].argmax(-1, keepdim=True)
+            tokens.append(int(token))
+            if i == 3:
+                killed = session.route[0].peer_id
+                next(w for w in s.workers if w.peer_id == killed).kill()
+            logits = model(token, session=session).logits
+        assert session.failovers >= 1 and killed not in {hop.peer_id for hop in session.route}
+    assert tokens == expected
