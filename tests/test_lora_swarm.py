@@ -16,7 +16,9 @@ from peft import PeftModel
 from transformers import AutoModelForCausalLM
 
 from swarm_client import AutoDistributedModelForCausalLM, runtime
-from swarm_client.errors import NoRouteError
+from swarm_client.errors import AdapterNotFoundError, NoRouteError, RemoteError
+from swarm_client.routing import RouteHop
+from swarm_client.server_session import _ServerSession
 from swarm_client.tiny_lora import make_random_lora
 from swarmserve.launcher import wait_ready
 from tests.swarm_fixtures import Swarm, greedy_session
@@ -152,6 +154,36 @@ def test_missing_adapter_is_a_no_route_error_naming_it(served) -> None:
     finally:
         model.manager.config.route_wait = wait
     assert info.value.adapter == "nope" and info.value.missing_blocks == [0, 1, 2, 3]
+
+
+def test_active_adapter_of_from_pretrained_drives_generate(served, references, tiny_llama) -> None:
+    _, s = served
+    model = AutoDistributedModelForCausalLM.from_pretrained(tiny_llama, [s.initial_peers], active_adapter="a2")
+    try:
+        prompt = _ids(40)
+        out = model.generate(prompt, max_new_tokens=6, min_new_tokens=6, do_sample=False)
+        assert out[0, prompt.shape[1] :].tolist() == _reference_greedy(references["a2"], prompt, 6)
+    finally:
+        model.shutdown()
+
+
+def test_a_server_refuses_an_adapter_it_does_not_hold(served) -> None:
+    """Past routing (a stale record, a hostile client): the server itself answers ``adapter_not_found``, and a
+    resume under another adapter than the session's is refused."""
+    model, _ = served
+    spans = runtime.run(model.manager.update(force=True))
+    peer = next(p for p, span in spans.items() if span.server_info.adapters == ("a1",))
+    session = _ServerSession(model.manager, RouteHop(peer, 0, 2), "lora-refusal", adapter="a2")
+    with pytest.raises(AdapterNotFoundError, match="holds no adapter 'a2' .*it holds: a1"):
+        runtime.run(session.open(16, 1, resume=False, timeout=10))
+    runtime.run(session.close())
+    opened = _ServerSession(model.manager, RouteHop(peer, 0, 2), "lora-resume", adapter="a1")
+    runtime.run(opened.open(16, 1, resume=False, timeout=10))
+    runtime.run(opened.close(keep=True))
+    other = _ServerSession(model.manager, RouteHop(peer, 0, 2), "lora-resume", adapter=None)
+    other.adapter = "x1"  # any other name: the server holds this session under a1
+    with pytest.raises(RemoteError, match="runs with adapter 'a1'"):
+        runtime.run(other.open(16, 1, resume=True, timeout=10))
 
 
 def test_spot_checks_compare_like_with_like(served, references) -> None:

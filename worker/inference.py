@@ -147,7 +147,7 @@ class InferenceStreams(ServerPush):
             if wanted is not None and (not isinstance(wanted, int) or isinstance(wanted, bool) or wanted < 1):
                 raise InvalidInputError(f"max_length must be a positive int, got {wanted!r}")
             cache = self.caches.resume(session_id, owner, max_length=wanted, resume_token=spec.get("resume_token"))
-            if "adapter" in spec and spec["adapter"] != cache.adapter:
+            if spec.get("adapter") != cache.adapter:  # a resume names the session's adapter (absent: none)
                 raise InvalidInputError(
                     f"session {session_id[:80]!r} runs with adapter {cache.adapter!r}, not {spec['adapter']!r}"
                 )
