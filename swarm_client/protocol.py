@@ -5,9 +5,11 @@ msgpack metadata dict. RPC names are fixed here (``BlockRPC``) so client stubs a
 whatever their Python class names are.
 
 Inference stream (``rpc_inference``), one bidirectional stream per server span:
-    client → {"open": {"session_id", "max_length", "batch_size", "resume", "resume_token", "push_token"}}
-                                                                (tokens: ``swarm_client.capabilities``;
-                                                                resuming needs the resume token given at open)
+    client → {"open": {"session_id", "max_length", "batch_size", "resume", "resume_token", "push_token",
+                        "adapter"?}}                            (tokens: ``swarm_client.capabilities``;
+                                                                resuming needs the resume token given at open;
+                                                                adapter: a LoRA the server announces, else
+                                                                ``adapter_not_found``; a resume names the same)
     server → {"position": p}                                  (p: tokens already cached, 0 for a new one)
     client → tensors [hidden [B, T, H]], {"position": p}        (p: where these tokens start; p < current
                                                                 position rolls the cache back first)
@@ -31,7 +33,8 @@ sessions cost one message per hop each way instead of N:
     Each session must be open on the server through its own ``rpc_inference`` stream, opened by the same
     peer; that stream still opens, rolls back, keeps alive and closes the session. Bundles run concurrently
     and are answered as they finish (match answers by ``bundle_id``).
-Forward / backward (``rpc_forward`` / ``rpc_backward``) are stream → stream so large tensors are chunked.
+Forward / backward (``rpc_forward`` / ``rpc_backward``) are stream → stream so large tensors are chunked; their
+metadata may name an ``"adapter"`` as an open does.
 """
 
 from __future__ import annotations
