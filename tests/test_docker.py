@@ -130,6 +130,15 @@ def test_worker_command_gpu_and_weights_cache(services: dict) -> None:
     assert f"{args.port}:{args.port}" in worker["ports"]
 
 
+@pytest.mark.parametrize("name", ["worker", "worker-cpu"])
+def test_workers_serve_the_adapters_of_the_environment(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    service = compose({**SAMPLE_ENV, "ADAPTERS": "chat=user/chat-lora sql=user/sql-lora"})["services"][name]
+    monkeypatch.setenv("SWARMSERVE_ADAPTERS", service["environment"]["SWARMSERVE_ADAPTERS"])
+    assert parse(service).adapters == ["chat=user/chat-lora", "sql=user/sql-lora"]
+    monkeypatch.setenv("SWARMSERVE_ADAPTERS", compose()["services"][name]["environment"]["SWARMSERVE_ADAPTERS"])
+    assert parse(compose()["services"][name]).adapters == []  # unset: none
+
+
 def test_gateway_shares_the_weights_cache(services: dict) -> None:
     worker_volume = services["worker"]["volumes"][0]
     assert worker_volume in services["gateway"]["volumes"]  # the gateway loads the embeddings and LM head

@@ -62,6 +62,15 @@ def reachability_label(announced: object) -> str:
     return str(getattr(announced, "value", announced)) if announced else "not checked"
 
 
+def adapter_lines(spans: list, names: list[str]) -> list[str]:
+    """One line per LoRA adapter announced (``--adapters``): the servers holding it."""
+    holders: dict[str, list[str]] = {}
+    for span, name in zip(spans, names, strict=True):
+        for adapter in span.server_info.adapters:
+            holders.setdefault(adapter, []).append(f"{name} ({span.start}:{span.end})")
+    return [f"adapter {adapter!r}: {', '.join(held)}" for adapter, held in sorted(holders.items())]
+
+
 def quant_label(info: object) -> str:
     """The weight quantization a server announced (``none``, ``int8``, ``nf4``; worker/quant.py)."""
     return str(getattr(info, "quant", None) or "none")
@@ -93,6 +102,7 @@ def render_status(prefix: str, num_blocks: int, spans: Mapping[str, Any], *, as_
                     "public_name": s.server_info.public_name,
                     "reachability": reachability_label(s.server_info.reachability),
                     "quant": quant_label(s.server_info),
+                    "adapters": list(s.server_info.adapters),
                 }
                 for s in ordered
             ],
@@ -119,6 +129,7 @@ def render_status(prefix: str, num_blocks: int, spans: Mapping[str, Any], *, as_
         )
     counts = "".join(str(min(len(p), 9)) if p else "!" for p in per_block)
     lines.append(f"{'servers per block (ONLINE)':<{pad}}{counts}")
+    lines += adapter_lines(ordered, names)
     if missing:
         lines.append(f"NOT COVERED: {format_blocks(missing)} (no ONLINE server); requests will get 503")
     else:

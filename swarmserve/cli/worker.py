@@ -5,6 +5,7 @@ Imports only the library and the block server: a volunteer's install needs no we
 from __future__ import annotations
 
 import argparse
+import os
 
 from swarmserve.cli.common import add_listen_flags, blocks_arg, subcommand
 from swarmserve.cli.dht import add_announce_flags, announced_maddrs
@@ -48,10 +49,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--adapters",
         nargs="+",
-        default=[],
+        default=os.environ.get("SWARMSERVE_ADAPTERS", "").split(),
         metavar="NAME=PATH",
         help="serve these PEFT LoRA adapters (directories or Hub ids) beside the base blocks; clients choose "
-        "one per session (active_adapter), the gateway lists each as the model BASE:NAME",
+        "one per session (active_adapter), the gateway lists each as the model BASE:NAME "
+        "(default: $SWARMSERVE_ADAPTERS, space-separated)",
     )
     p.add_argument("--cache-tokens", type=int, default=16384, help="KV-cache budget in token slots")
     p.add_argument("--session-ttl", type=float, default=300.0, help="keep a finished session's cache this long (s)")
