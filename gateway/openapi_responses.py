@@ -41,10 +41,13 @@ def generation_responses(streams: bool = True) -> dict[str, Any]:
     can stream) and each error status with the envelope."""
     ok: dict[str, Any] = {"application/json": {"schema": {"type": "object"}}}
     if streams:
+        # OpenAPI before 3.2: the schema of a stream's media type describes each event (as schemathesis reads it)
         ok["text/event-stream"] = {
             "schema": {
-                "type": "string",
-                "description": "server-sent events, one JSON chunk per `data:` line, then `data: [DONE]`",
+                "type": "object",
+                "description": "one server-sent event: its `data` is a JSON chunk; the last event's is `[DONE]`",
+                "properties": {"data": {"type": "string"}, "event": {"type": "string"}, "id": {"type": "string"}},
+                "required": ["data"],
             }
         }
     responses: dict[str, Any] = {
