@@ -7,6 +7,7 @@ is gone. The pure helpers (span splitting, the status table) get fast tests of t
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shlex
@@ -74,8 +75,12 @@ def test_split_blocks_is_even_and_contiguous() -> None:
         split_blocks(4, 0)
 
 
-def _span(peer: str, start: int, end: int, state: ServerState = ServerState.ONLINE) -> RemoteSpanInfo:
-    info = ServerInfo(state=state, start_block=start, end_block=end, throughput=12.5, cache_tokens_left=999)
+def _span(
+    peer: str, start: int, end: int, state: ServerState = ServerState.ONLINE, adapters: tuple[str, ...] = ()
+) -> RemoteSpanInfo:
+    info = ServerInfo(
+        state=state, start_block=start, end_block=end, throughput=12.5, cache_tokens_left=999, adapters=adapters
+    )
     return RemoteSpanInfo(peer, start, end, info)
 
 
@@ -116,9 +121,11 @@ def test_cli_version_help_and_checked_flags() -> None:
 
 
 def test_render_status_flags_gaps() -> None:
-    spans = {"peerA": _span("peerA", 0, 3), "peerB": _span("peerB", 3, 5, ServerState.JOINING)}
+    spans = {"peerA": _span("peerA", 0, 3, adapters=("a1",)), "peerB": _span("peerB", 3, 5, ServerState.JOINING)}
     text, missing = render_status("m", 6, spans)
     assert missing == [3, 4, 5]
+    assert "adapter 'a1': peerA (0:3)" in text
+    assert json.loads(render_status("m", 6, spans, as_json=True)[0])["servers"][0]["adapters"] == ["a1"]
     assert "NOT COVERED: blocks 3..5" in text
     assert "peerA" in text and "JOINING" in text and "999" in text
     row_a = next(line for line in text.splitlines() if line.startswith("peerA"))
@@ -139,7 +146,24 @@ class Up:
 
 
 @pytest.fixture(scope="module")
-def up(tiny_llama: str) -> Iterator[Up]:
+def lora(tiny_llama: str, tmp_path_factory) -> tuple[str, str]:
+    """(a random LoRA adapter of the tiny model, the tiny model with it merged by PEFT, saved with its tokenizer)."""
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from swarm_client.tiny_lora import make_random_lora
+
+    root = tmp_path_factory.mktemp("up-lora")
+    adapter = str(make_random_lora(tiny_llama, root / "a1", seed=1))
+    base = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32)
+    PeftModel.from_pretrained(base, adapter).merge_and_unload().save_pretrained(root / "merged")
+    AutoTokenizer.from_pretrained(tiny_llama).save_pretrained(root / "merged")
+    return adapter, str(root / "merged")
+
+
+@pytest.fixture(scope="module")
+def up(tiny_llama: str, lora: tuple[str, str]) -> Iterator[Up]:
     port = _free_port()
     cli = Cli.start(
         "up",
@@ -153,6 +177,8 @@ def up(tiny_llama: str) -> Iterator[Up]:
         "1000",
         "--grace",
         "10",
+        "--adapters",
+        f"a1={lora[0]}",
     )
     try:
         dht = cli.wait_for(re.compile(r"DHT at (\S+)"), START_TIMEOUT).group(1)
@@ -186,6 +212,21 @@ def test_up_serves_the_openai_api(up: Up) -> None:
     assert streamed == r.choices[0].message.content
     health = httpx.get(up.base_url.removesuffix("/v1") + "/health", timeout=10)
     assert health.status_code == 200 and health.json()["num_blocks"] == 4
+
+
+def test_up_serves_its_lora_adapter_as_a_model(up: Up, lora: tuple[str, str]) -> None:
+    """``up --adapters a1=PATH``: every worker serves it, the gateway lists ``tiny-llama:a1`` and answers it
+    exactly as 🤗 with the adapter merged by PEFT."""
+    assert re.search(r"LoRA adapters, each a model: \S+:a1", up.cli.output)
+    client = openai.OpenAI(base_url=up.base_url, api_key="x", timeout=30, max_retries=0)
+    deadline = time.monotonic() + 30
+    while not any(m.id.endswith(":a1") for m in client.models.list().data):  # the swarm view refreshes
+        assert time.monotonic() < deadline, [m.id for m in client.models.list().data]
+        time.sleep(0.5)
+    (name,) = [m.id for m in client.models.list().data if m.id.endswith(":a1")]
+    r = client.chat.completions.create(model=name, messages=HELLO, max_tokens=8, temperature=0)
+    assert r.model == name
+    assert_greedy(r, chat_prompt_ids(HELLO, up.model_dir), 8, lora[1])
 
 
 def test_status_against_a_running_swarm(up: Up) -> None:

@@ -40,6 +40,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--cache-tokens", type=int, default=16384, help="KV-cache budget of each worker (tokens)")
     p.add_argument("--torch-threads", type=int, default=None, help="threads per worker (default: CPU cores / workers)")
     p.add_argument("--throughput", type=float, default=None, help="workers announce this tok/s instead of measuring")
+    p.add_argument(
+        "--adapters",
+        nargs="+",
+        default=[],
+        metavar="NAME=PATH",
+        help="every worker also serves these PEFT LoRA adapters; the gateway lists each as the model MODEL:NAME",
+    )
     p.add_argument("--ready-timeout", type=float, default=600.0, help="seconds to wait for the workers")
     p.add_argument("--grace", type=float, default=15.0, help="seconds a worker may drain before it is killed")
     p.add_argument("-v", "--verbose", action="store_true", help="echo the workers' logs")
@@ -125,6 +132,13 @@ def _serve(args: argparse.Namespace, swarm, stop) -> int:
     if (busy := port_in_use(args.host, args.port)) is not None:
         say(f"error: cannot listen on {args.host}:{args.port} ({busy}); pick another --port")
         return 2
+    from swarm_client.lora import parse_adapter_specs
+
+    try:
+        adapters = [spec.name for spec in parse_adapter_specs(args.adapters)]
+    except ValueError as exc:
+        say(f"error: {exc}")
+        return 2
     swarm.model = str(model_dir)
     spans = split_blocks(swarm.num_blocks, args.workers)
     swarm.threads = args.torch_threads  # None: the cores shared evenly
@@ -135,6 +149,8 @@ def _serve(args: argparse.Namespace, swarm, stop) -> int:
     extra = ["--device", args.device, "--dtype", args.dtype, "--cache-tokens", str(args.cache_tokens)]
     if args.throughput is not None:
         extra += ["--throughput", str(args.throughput)]
+    if adapters:
+        extra += ["--adapters", *args.adapters]
     try:
         swarm.cover(len(spans), *extra, timeout=args.ready_timeout, stop=stop)
     except InterruptedError:
@@ -165,6 +181,8 @@ def _serve(args: argparse.Namespace, swarm, stop) -> int:
     with serving_gateway(cfg, dht=swarm.dht, log_level="warning") as (server, _backend):
         served_name = Path(str(args.model).rstrip("/")).name
         say(f"gateway ready; OpenAI base URL: {server.base_url}  (model: {served_name!r})")
+        if adapters:
+            say("LoRA adapters, each a model: " + ", ".join(f"{served_name}:{name}" for name in adapters))
         say(f"chat page: {server.url}/chat  (swarm status: {server.url}/swarm)")
         say("try:")
         print(f"  {curl_example(server.base_url, served_name)}", flush=True)
