@@ -16,23 +16,23 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from gateway.errors import ModelNotFoundError
-from swarm_client.dht_records import RemoteSpanInfo, ServerState
+from swarm_client.dht_records import RemoteSpanInfo
 from swarm_client.lora import check_adapter_name
+from swarm_client.routing import missing_blocks
 
 __all__ = ["ServedModel", "parse_adapter_aliases", "served_adapters", "served_models", "select_model"]
 
 
 def served_adapters(spans: Mapping[str, RemoteSpanInfo], num_blocks: int) -> list[str]:
     """The adapters a whole-model route can use, sorted: those whose ONLINE servers cover blocks
-    ``[0, num_blocks)`` between them."""
-    covered: dict[str, set[int]] = {}
-    for span in spans.values():
-        if span.state != ServerState.ONLINE:
-            continue
-        blocks = range(max(span.start, 0), min(span.end, num_blocks))
-        for name in span.server_info.adapters:
-            covered.setdefault(name, set()).update(blocks)
-    return sorted(name for name, blocks in covered.items() if num_blocks > 0 and len(blocks) == num_blocks)
+    ``[0, num_blocks)`` between them (``routing.missing_blocks`` over the servers announcing each)."""
+    names = sorted({name for span in spans.values() for name in span.server_info.adapters})
+    return [
+        name
+        for name in names
+        if num_blocks > 0
+        and not missing_blocks({p: s for p, s in spans.items() if name in s.server_info.adapters}, num_blocks)
+    ]
 
 
 def parse_adapter_aliases(values: Iterable[str]) -> dict[str, str]:

@@ -86,10 +86,6 @@ class PromptRules:
     def model_id(self) -> str:
         return self.backend.model_id
 
-    def check_model(self, requested: str | None) -> None:
-        """The request must name the base model (its id or the id's basename); None means "the one"."""
-        select_model(requested, [ServedModel(self.backend.model_id)])
-
     async def served_models(self) -> list[ServedModel]:
         """The base model, then each LoRA adapter the backend can run now (``BASE:NAME``) and its aliases.
         A backend that cannot say (the swarm unreachable) serves the base model only, for now."""

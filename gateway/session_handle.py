@@ -35,10 +35,11 @@ import torch
 from gateway.backend import DecodeSession, ModelBackend, ResumableBackend, ResumableSession, SessionSnapshot
 from gateway.sessions import AffinityStore, Claim
 from swarm_client.errors import SessionLost, SwarmError
+from swarm_client.lora import adapter_field
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ReusableSession", "Reuse", "SessionHandle", "adapter_option", "open_reusable"]
+__all__ = ["ReusableSession", "Reuse", "SessionHandle", "open_reusable"]
 
 T = TypeVar("T")
 
@@ -88,7 +89,7 @@ class ReusableSession:
         logger.info(
             "a resumed session was lost (%s); re-prefilling %d tokens in a fresh one", lost, len(held)
         )
-        self.inner = self.backend.open_session(self.max_length, **adapter_option(self.adapter))
+        self.inner = self.backend.open_session(self.max_length, **adapter_field(self.adapter))
         self.resumed, self.restarted = False, True
         if not all_logits:
             return self.inner.step(held + list(token_ids))
@@ -104,11 +105,6 @@ class ReusableSession:
         self.inner.close()
 
 
-def adapter_option(adapter: str | None) -> dict[str, str]:
-    """``open_session``'s keyword for a LoRA ``adapter``: none for the base model (every backend takes that)."""
-    return {} if adapter is None else {"adapter": adapter}
-
-
 def open_reusable(
     backend: ResumableBackend, max_length: int, snapshot: SessionSnapshot | None, adapter: str | None = None
 ) -> ReusableSession:
@@ -117,14 +113,14 @@ def open_reusable(
     inner: ResumableSession | None = None
     if snapshot is not None:
         try:
-            inner = backend.open_session(max_length, resume=snapshot, **adapter_option(adapter))
+            inner = backend.open_session(max_length, resume=snapshot, **adapter_field(adapter))
         except SwarmError as exc:  # expired, evicted, a server left: prefill afresh
             logger.info("could not resume a cached session (%s); prefilling afresh", exc)
         except Exception:
             logger.warning("resuming a cached session failed; prefilling afresh", exc_info=True)
     resumed = inner is not None
     if inner is None:
-        inner = backend.open_session(max_length, **adapter_option(adapter))
+        inner = backend.open_session(max_length, **adapter_field(adapter))
     return ReusableSession(backend, inner, max_length, resumed, adapter)
 
 
@@ -188,7 +184,7 @@ class SessionHandle:
                 open_reusable, self.reuse.backend, max_length, snapshot, adapter
             )
         else:
-            opener = functools.partial(backend.open_session, max_length, **adapter_option(adapter))
+            opener = functools.partial(backend.open_session, max_length, **adapter_field(adapter))
         fut = asyncio.get_running_loop().run_in_executor(self._executor, opener)
         self._opening = self._inflight = fut
         self.session = await asyncio.shield(fut)

@@ -29,6 +29,7 @@ from swarm_client.errors import (
     SwarmBusyError,
 )
 from swarm_client.history import HistoryBuffer
+from swarm_client.lora import adapter_field
 from swarm_client.routing import LOCAL_PEER, RouteHop, find_route
 from swarm_client.sequence_manager import SequenceManager
 from swarm_client.server_session import _ServerSession, close_all
@@ -218,7 +219,7 @@ async def _reference(
 ) -> torch.Tensor | None:
     """The checkers' output for the last ``length`` positions of ``full``; None if a checker failed or sent
     something malformed (a broken checker proves nothing about the checked step)."""
-    from swarm_client.remote_sequential import _call_stream, adapter_metadata  # that module imports session
+    from swarm_client.remote_sequential import _call_stream  # local import: that module imports session
 
     reference = full
     try:
@@ -230,7 +231,7 @@ async def _reference(
                 [reference],
                 start_block=checker.start,
                 end_block=checker.end,
-                **adapter_metadata(adapter),
+                **adapter_field(adapter),
             )
     except (PeerError, RemoteError, ValueError):
         return None

@@ -21,7 +21,7 @@ import pathlib
 import re
 import warnings
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -65,6 +65,12 @@ class AdapterSpec:
         if not sep or not path:
             raise AdapterError(f"--adapters expects NAME=PATH (a PEFT LoRA directory or Hub id), got {value!r}")
         return cls(check_adapter_name(name.strip()), path.strip())
+
+
+def adapter_field(adapter: str | None) -> dict[str, str]:
+    """``{"adapter": NAME}`` for a request, a session's open spec or ``open_session``'s keywords; empty for the
+    base model, so older servers and backends that serve no adapter see nothing new."""
+    return {} if adapter is None else {"adapter": adapter}
 
 
 def parse_adapter_specs(values: Sequence[str]) -> list[AdapterSpec]:
@@ -205,8 +211,15 @@ class RowAdapters:
     """The adapter of each sequence of a step (``names``; None for the base model), or one for all rows."""
 
     names: tuple[str | None, ...] | str
+    #: ``for_rows`` by row count: every projection of every block asks again within one step
+    _memo: dict[int, list[str]] = field(default_factory=dict, compare=False, repr=False)
 
     def for_rows(self, rows: int) -> list[str]:
+        if rows not in self._memo:
+            self._memo[rows] = self._names_for(rows)
+        return self._memo[rows]
+
+    def _names_for(self, rows: int) -> list[str]:
         if isinstance(self.names, str):
             return [self.names] * rows
         if not self.names or rows % len(self.names):

@@ -28,7 +28,7 @@ from swarm_client.errors import (
     RemoteError,
     error_from_wire,
 )
-from swarm_client.lora import check_adapter_name
+from swarm_client.lora import adapter_field, check_adapter_name
 from swarm_client.routing import LOCAL_PEER, RouteHop
 from swarm_client.sequence_manager import SequenceManager
 from swarm_client.session import CALLER_ERRORS, InferenceSession
@@ -64,11 +64,6 @@ async def _call_stream(manager: SequenceManager, peer_id: str, method: str, tens
 
 #: one hop of a stateless forward: the hop, its input and its slice of the deep prompts (if any)
 TraceItem = tuple[RouteHop, torch.Tensor, "torch.Tensor | None"]
-
-
-def adapter_metadata(adapter: str | None) -> dict:
-    """The ``adapter`` field of a forward/backward request (absent for the base model: older servers)."""
-    return {} if adapter is None else {"adapter": adapter}
 
 
 def _wire_dtype(manager: SequenceManager, peer_id: str) -> torch.dtype | None:
@@ -128,7 +123,7 @@ async def _run_span(
                     output_hidden_states=output_hidden_states,
                     start_block=hop.start,
                     end_block=hop.end,
-                    **adapter_metadata(adapter),
+                    **adapter_field(adapter),
                 )
                 if len(outputs) != 1:
                     raise PeerError(f"{hop.peer_id} sent {len(outputs)} tensors, not 1", hop.peer_id)
@@ -182,7 +177,7 @@ async def _backward_trace(
                 [inputs, grad] if prompts is None else [inputs, grad, prompts],
                 start_block=hop.start,
                 end_block=hop.end,
-                **adapter_metadata(manager.config.active_adapter),
+                **adapter_field(manager.config.active_adapter),
             )
             if len(grads) != (1 if prompts is None else 2) or grads[0].shape != inputs.shape:
                 raise PeerError(f"server {hop.peer_id} returned invalid gradients", hop.peer_id)

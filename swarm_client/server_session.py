@@ -23,6 +23,7 @@ from swarm_client.errors import (
     error_from_wire,
 )
 from swarm_client.local_span import LocalSession
+from swarm_client.lora import adapter_field
 from swarm_client.routing import LOCAL_PEER, RouteHop
 from swarm_client.sequence_manager import SequenceManager
 
@@ -222,9 +223,8 @@ class _ServerSession:
             "push_token": capabilities.push_token(self.session_id),
             "start_block": self.hop.start,
             "end_block": self.hop.end,
+            **adapter_field(self.adapter),
         }
-        if self.adapter is not None:
-            spec["adapter"] = self.adapter
         self._queue.put_nowait(protocol.make_request(open=spec))
         self._open_pending = True
         if wait:

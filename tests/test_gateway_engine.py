@@ -222,11 +222,10 @@ def test_prefill_feeds_only_what_the_session_lacks(tokenizer):
 
 def test_model_names_and_budgets(tokenizer):
     engine = _engine(ScriptedBackend(tokenizer, []))
-    engine.check_model(None)
-    engine.check_model("org/scripted-model")
-    engine.check_model("scripted-model")
+    for name in (None, "org/scripted-model", "scripted-model"):
+        assert asyncio.run(engine.select_model(name)).adapter is None
     with pytest.raises(Exception, match="does not exist"):
-        engine.check_model("scripted")
+        asyncio.run(engine.select_model("scripted"))
     assert engine.max_tokens_for(500, None, param="messages") == 12  # what is left of 512
     assert engine.max_tokens_for(10, None, param="messages") == 32  # the default
     with pytest.raises(Exception, match="512 tokens. However, you requested 513 tokens"):

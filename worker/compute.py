@@ -96,10 +96,10 @@ class SpanRunner:
                 bounds.append((row, row + batch * length, batch, length))
                 row += batch * length
             rope = None
-            # each row runs its own session's adapter (PEFT's mixed-batch LoRA, swarm_client/lora.py)
-            rows = [
-                items[i].cache.adapter for i, (a, b, _, _) in zip(indices, bounds, strict=True) for _ in range(a, b)
-            ]
+            # each row runs its own session's adapter (PEFT's mixed-batch LoRA, swarm_client/lora.py); no list
+            # of rows when every session runs the base model
+            names = [items[i].cache.adapter for i in indices]
+            rows = [n for n, (a, b, *_) in zip(names, bounds, strict=True) for _ in range(a, b)] if any(names) else None
             with adapter_rows(rows):
                 for layer_index, block in enumerate(self.blocks[slice(start, stop)]):
                     segments = [
