@@ -33,6 +33,7 @@ from swarm_client.dht_records import (
     spans_from_records,
     write_identity,
 )
+from swarm_client.lora import MAX_ADAPTERS
 from swarm_client.routing import find_route
 from tests.swarm_fixtures import spawn
 from worker.announce import declare_span
@@ -95,6 +96,24 @@ def test_schema_validator_rejects_malformed_values_and_subkeys() -> None:
         assert not ok(bad), bad
     assert not ok(good, sub=DHTProtocol.serializer.dumps("QmPlainPeerIdWithoutAKey"))
     assert ok(["anything"], k=DHTID.generate(source="some.other.key").to_bytes())  # not our keys
+
+
+def test_announced_adapters_are_bounded_names() -> None:
+    """``ServerInfo.adapters`` (LoRA adapters a server holds): names as ``--adapters`` allows them, at most
+    ``MAX_ADAPTERS``; anything else is dropped by the DHT schema and unreadable as a record."""
+    (schema,) = [v for v in record_validators(PREFIX, NUM_BLOCKS) if not isinstance(v, RSASignatureValidator)]
+    key = DHTID.generate(source=f"{PREFIX}.1").to_bytes()
+    subkey = DHTProtocol.serializer.dumps(record_subkey("Qm" + "x" * 44))
+
+    def ok(value) -> bool:
+        return schema.validate(DHTRecord(key, subkey, DHTProtocol.serializer.dumps(value), later()))
+
+    good = info(adapters=("a1", "sql-v2.1")).to_wire()
+    assert ok(good) and ServerInfo.from_wire(good).adapters == ("a1", "sql-v2.1")
+    assert ServerInfo.from_wire({k: v for k, v in good.items() if k != "adapters"}).adapters == ()  # older servers
+    for bad in (["bad name"], ["../x"], ["x" * 65], [1], ["a"] * (MAX_ADAPTERS + 1), "a1"):
+        assert not ok({**good, "adapters": bad}), bad
+        assert ServerInfo.from_wire({**good, "adapters": bad}) is None, bad
 
 
 def identity_bytes(key: RSAPrivateKey) -> bytes:
