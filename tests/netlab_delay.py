@@ -4,9 +4,11 @@
     lab.delay_between("client", "w1", 40)      # what "client" sends to "w1" waits 40 ms (overrides the above)
 
 Where: each host delays what it sends. A namespace with a delay gets one iptables rule, mangle ``OUTPUT ! -o lo
--j NFQUEUE --queue-num 0`` (IPv4; loopback untouched), and one process, this file run as a script inside it,
-that holds every queued packet for the delay set for its destination address and then accepts it. IP level,
-so handshakes, ACKs and libp2p's own round trips are delayed too.
+! -d 224.0.0.0/4 -m mark ! --mark RESENT_MARK -j NFQUEUE --queue-num 0`` (IPv4 unicast; loopback untouched),
+and one process, this file run as a script inside it, that takes a copy of every queued packet, drops the
+original, and sends the copy from a raw socket (marked, so the rule lets it pass) once the delay set for its
+destination address is over (``Holder`` says why a copy). IP level, so handshakes, ACKs and libp2p's own round
+trips are delayed too.
 
 NAT: a host behind a router is reached at its router's public address, so a delay towards it is keyed on that
 address in the sender's table (the router stands for its one host). What the NATed host sends is delayed in
@@ -36,7 +38,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -87,7 +89,11 @@ def _probe() -> str | None:
         _delete_namespace(ns)
 
 
-_RULE = ("iptables", "-t", "mangle", "-A", "OUTPUT", "!", "-o", "lo", "-j", "NFQUEUE", "--queue-num", QUEUE)
+#: what the delay process sends again carries this mark, so the rule lets it through
+RESENT_MARK = 0x5E1A
+#: multicast (p2pd's mDNS/SSDP, IGMP) goes undelayed: the lab's links carry unicast only
+_RULE = ("iptables", "-t", "mangle", "-A", "OUTPUT", "!", "-o", "lo", "!", "-d", "224.0.0.0/4",
+         "-m", "mark", "!", "--mark", str(RESENT_MARK), "-j", "NFQUEUE", "--queue-num", QUEUE)  # fmt: skip
 #: a packet held here is still the sending socket's (its buffer is not freed until it leaves), and Linux TCP
 #: autocorking holds a socket's next small write while its last packet has not left: behind a delay that write
 #: waits the whole delay first, so a message written in two parts costs an extra one-way trip. On a real link the
@@ -191,12 +197,19 @@ class _Delayer:
 
 # ------------------------------------------------------------------------------------- inside the namespace
 class Holder:
-    """Packets waiting for their release time, in a heap; per destination, release times never go back."""
+    """Packets waiting for their release time, in a heap; per destination, release times never go back.
 
-    def __init__(self) -> None:
+    A held packet is a copy: the queued original is dropped at once and the copy sent again, marked, from a raw
+    socket when due. Holding the original would keep it charged to its TCP socket for the whole delay, and TCP
+    Small Queues lets a socket have only about two packets below it: the lab's links then carried ~2 packets
+    per delay (≈ 120 kB/s at 25 ms, whatever the window; load_tests/results/wan-tsq-2026-12-07.md). On a real
+    link a packet is freed as soon as the NIC has sent it."""
+
+    def __init__(self, send: Callable[[bytes, bytes], object] | None = None) -> None:
         self.default = 0.0
         self.to: dict[bytes, float] = {}  # destination address (4 bytes) -> seconds
-        self.heap: list[tuple[float, int, object]] = []
+        self.send = send or _raw_sender()
+        self.heap: list[tuple[float, int, bytes]] = []
         self.last: dict[bytes, float] = {}  # destination -> latest release time given
         self.seq = itertools.count()
 
@@ -212,13 +225,31 @@ class Holder:
             packet.accept()
             return
         self.last[destination] = release
-        heapq.heappush(self.heap, (release, next(self.seq), packet))
+        heapq.heappush(self.heap, (release, next(self.seq), header))
+        packet.drop()
 
     def release_due(self, now: float) -> float | None:
-        """Accept what is due; return seconds until the next release (None: nothing held)."""
+        """Send what is due; return seconds until the next release (None: nothing held)."""
         while self.heap and self.heap[0][0] <= now:
-            heapq.heappop(self.heap)[2].accept()
+            copy = heapq.heappop(self.heap)[2]
+            self.send(copy, copy[16:20])
         return self.heap[0][0] - now if self.heap else None
+
+
+def _raw_sender() -> Callable[[bytes, bytes], object]:
+    """Sends a whole IPv4 packet as it is (``IPPROTO_RAW`` implies ``IP_HDRINCL``), marked ``RESENT_MARK``. A
+    copy that cannot go (its route gone meanwhile, a link taken down by a test) is lost, as on a link."""
+    raw = socket.socket(socket.AF_INET, socket.SOCK_RAW, socket.IPPROTO_RAW)
+    raw.setsockopt(socket.SOL_SOCKET, socket.SO_MARK, RESENT_MARK)
+    raw.setsockopt(socket.SOL_SOCKET, socket.SO_BROADCAST, 1)
+
+    def send(packet: bytes, destination: bytes) -> None:
+        try:
+            raw.sendto(packet, (socket.inet_ntoa(destination), 0))
+        except OSError as e:
+            print(f"dropped a packet to {socket.inet_ntoa(destination)}: {e}", file=sys.stderr, flush=True)
+
+    return send
 
 
 def main() -> None:
@@ -230,8 +261,8 @@ def main() -> None:
     queue = NetfilterQueue()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)  # "rcvbuf limit is now ...": the kernel's cap is fine
-        # only the IPv4 header is copied up (the destination is all we read); the verdict keeps the packet
-        queue.bind(int(QUEUE), lambda packet: holder.hold(packet, time.monotonic()), 65536, COPY_PACKET, 20)
+        # whole packets are copied up (the kernel completes their checksums first): the copies are what is sent
+        queue.bind(int(QUEUE), lambda packet: holder.hold(packet, time.monotonic()), 65536, COPY_PACKET, 65535)
     print("ready", flush=True)
     queue_fd, stdin_fd = queue.get_fd(), sys.stdin.fileno()
     commands = b""

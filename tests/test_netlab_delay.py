@@ -2,8 +2,9 @@
 
 Public hosts a, b, c and a host behind a NAT router. A TCP echo (TCP_NODELAY, one connection, a few 100-byte
 round trips) reads RTT ≥ the sum of the one-way delays set and < 200 ms (generous: 2 loaded cores), and
-< 20 ms where no delay is set. Root, iptables and netfilterqueue only: skipped elsewhere with the reason, or
-failed when ``SWARMSERVE_REQUIRE`` has netns.
+< 20 ms where no delay is set; a 256 kB echo pays a few round trips, not the ~2 packets per delay that TCP Small
+Queues allowed while the lab held a socket's own packets. Root, iptables and netfilterqueue only: skipped
+elsewhere with the reason, or failed when ``SWARMSERVE_REQUIRE`` has netns.
 """
 
 from __future__ import annotations
@@ -94,6 +95,23 @@ def echo_rtts(lab: NetLab, source: str, address: str, n: int = 8) -> dict:
     return result
 
 
+#: connect, then N echoes of SIZE bytes each way: {"connect_ms": ..., "rtt_ms": [...]} on one line
+BULK_PROBE = r"""
+import json, socket, sys, time
+conn = socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=10)
+conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+size, rtts = int(sys.argv[4]), []
+for _ in range(int(sys.argv[3])):
+    t0 = time.perf_counter()
+    conn.sendall(b"x" * size)
+    got = 0
+    while got < size:
+        got += len(conn.recv(1 << 20))
+    rtts.append(1000 * (time.perf_counter() - t0))
+print(json.dumps({"rtt_ms": rtts}))
+"""
+
+
 def assert_rtt(result: dict, at_least: float, below: float) -> None:
     rtts = result["rtt_ms"]
     assert min(rtts) >= at_least and statistics.median(rtts) < below, result
@@ -110,6 +128,54 @@ def test_delay_between_two_hosts_each_way(lab):
     assert_rtt(echo_rtts(lab, "a", B), 50, 200)
     # b now runs a delay process, but only for what it sends to a: c <-> b stays fast
     assert_rtt(echo_rtts(lab, "c", B), 0, 20)
+
+
+def test_bulk_transfer_is_not_throttled(lab):
+    """256 kB each way at 25 ms one way: slow start needs ~5 round trips from a fresh connection and fewer
+    after; when the lab held the packets themselves (charged to the sending socket), TCP Small Queues let
+    ~2 packets through per delay, ~2.3 s per echo."""
+    lab.delay_between("a", "b", 25)
+    lab.delay_between("b", "a", 25)
+    argv = lab.argv(lab.namespace_of("a"), sys.executable, "-c", BULK_PROBE, B, str(ECHO_PORT), "4", str(256 * 1024))
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=RUN_TIMEOUT)
+    assert done.returncode == 0, done.stderr
+    rtts = json.loads(done.stdout)["rtt_ms"]
+    print(f"256 kB echo a -> b at 25 ms one way: {[round(r) for r in rtts]} ms")
+    assert min(rtts) >= 50 and statistics.median(rtts[1:]) < 800, rtts
+
+
+def test_holder_sends_copies_in_order_per_destination():
+    """The original packet is dropped when held; its copy goes out when due, in order per destination even
+    when the delay is lowered meanwhile."""
+    from tests.netlab_delay import Holder
+
+    class Packet:
+        def __init__(self, destination: str, tag: int):
+            self.payload = bytes(16) + bytes(map(int, destination.split("."))) + bytes([tag])
+            self.verdict = ""
+
+        def get_payload(self) -> bytes:
+            return self.payload
+
+        def accept(self) -> None:
+            self.verdict = "accept"
+
+        def drop(self) -> None:
+            self.verdict = "drop"
+
+    sent: list[tuple[int, bytes]] = []
+    holder = Holder(send=lambda packet, destination: sent.append((packet[20], destination)))
+    holder.configure({"default": 0, "to": {B: 30}})
+    first, fast = Packet(B, 1), Packet(C, 2)
+    holder.hold(first, now=0.0)
+    holder.hold(fast, now=0.0)  # no delay towards C: accepted as it is
+    holder.configure({"default": 0, "to": {B: 10}})
+    second = Packet(B, 3)
+    holder.hold(second, now=0.001)  # due at 0.011, but must not overtake the first (due at 0.030)
+    assert (first.verdict, fast.verdict, second.verdict) == ("drop", "accept", "drop")
+    assert holder.release_due(0.02) == pytest.approx(0.01) and sent == []
+    assert holder.release_due(0.03) is None
+    assert [tag for tag, _ in sent] == [1, 3] and {d for _, d in sent} == {bytes([10, 231, 0, 3])}
 
 
 def test_delay_through_the_nat_router(lab):
