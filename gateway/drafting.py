@@ -167,11 +167,19 @@ class DraftModel:
 
     @classmethod
     def load(
-        cls, path: str, layers: int | None = None, device: str = "cpu", dtype: torch.dtype = torch.float32
+        cls,
+        path: str,
+        layers: int | None = None,
+        device: str = "cpu",
+        dtype: torch.dtype = torch.float32,
+        quant: str = "none",
     ) -> DraftModel:
         """The 🤗 checkpoint at ``path`` (offline), or with ``layers=N`` only its first N blocks + final norm
         and head. Truncation loads the checkpoint with a config of N layers, so the later blocks' tensors,
-        never being parameters of the model, are never read (transformers reads safetensors lazily)."""
+        never being parameters of the model, are never read (transformers reads safetensors lazily).
+        ``quant`` (``int8``, ``nf4``; CPU only): the blocks' projections on the workers' quantized kernels."""
+        if quant != "none" and torch.device(device).type != "cpu":
+            raise ValueError(f"draft quantization {quant!r} runs on CPU drafts only, not {device}")
         config = AutoConfig.from_pretrained(path, local_files_only=True)
         total = int(config.num_hidden_layers)
         if layers is not None and not 1 <= layers <= total:
@@ -205,6 +213,11 @@ class DraftModel:
             )
         model = model.to(device).eval()
         model.requires_grad_(False)
+        if quant != "none":
+            from worker.quant import quantize_linears  # the workers' kernels (same package, loaded on demand)
+
+            if not quantize_linears(model, quant):
+                log.warning("draft model %s: no projection it knows to quantize; it drafts unquantized", path)
         return cls(model)
 
     def drafter(self) -> ModelDrafter:

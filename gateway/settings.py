@@ -45,6 +45,9 @@ class GatewaySettings(BaseSettings):
     #: with ``draft_layers`` is self-speculation (its first layers + its head)
     draft_model: str | None = None
     draft_layers: int | None = Field(default=None, ge=1)
+    #: the draft model's projections quantized (CPU, the workers' int8/NF4 kernels): a cheaper draft; its
+    #: guesses are still checked by the served model, so the output is the same
+    draft_quant: Literal["none", "int8", "nf4"] = "none"
     #: what a 503 tells the client to wait before retrying
     retry_after_s: int = Field(default=5, ge=0)
     #: how long a request waits in line for room when every server is full (gateway/capacity_queue.py)

@@ -36,12 +36,13 @@ class Speculators:
             from swarm_client.model_source import resolve_model_path
 
             logger.info(
-                "loading the draft model %s%s",
+                "loading the draft model %s%s%s",
                 settings.draft_model,
                 f" (its first {settings.draft_layers} layers)" if settings.draft_layers else "",
+                f", quantized to {settings.draft_quant}" if settings.draft_quant != "none" else "",
             )
             path = str(resolve_model_path(settings.draft_model))
-            self.draft_model = DraftModel.load(path, layers=settings.draft_layers)
+            self.draft_model = DraftModel.load(path, layers=settings.draft_layers, quant=settings.draft_quant)
 
     def check(self, mode: str | None) -> None:
         """A request's ``speculation`` field: one of ``SPECULATION_MODES``, and ``draft_model`` only with one."""

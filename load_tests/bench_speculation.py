@@ -5,8 +5,10 @@ Chat prompts, greedy: ``summary`` (a ~300-word passage, "summarize it reusing it
 function, "rename ``x`` to ``count``, return the whole function"), ``chat`` (3 turns; the last asks to quote an
 earlier answer with one change). Modes: ``off``; ``auto`` (the gateway's defaults: prompt lookup, at most 8
 guesses); ``auto+prediction`` (code only: OpenAI's ``prediction`` = the original function); ``self-N``
-(``--draft-model`` = the served model with ``--draft-layers N``: self-speculation). ``off``/``auto`` share one
-engine with the default ``GatewaySettings`` (one ``StepCosts``, as in a real gateway); each ``self-N`` its own.
+(``--draft-model`` = the served model with ``--draft-layers N``: self-speculation); ``draft-Q`` (``--draft-quants
+int8``: the whole served model, its projections quantized, as the draft: SmolLM2 has no smaller sibling offline).
+``off``/``auto`` share one engine with the default ``GatewaySettings`` (one ``StepCosts``, as in a real gateway);
+each draft-model mode its own.
 
 The driver (``client`` subcommand) is one process holding a ``SwarmBackend`` and those ``Engine``s, driven
 through ``engine.start([ChoiceSpec])`` and its deltas (no HTTP); on the WAN it runs in the lab's client host,
@@ -94,12 +96,14 @@ def client_main(model: str, peer: str, options: dict) -> dict:
     backend = SwarmBackend(model, [peer], silent_ping_timeout=3.0)
     engines = {"default": Engine(backend, GatewaySettings(model=model))}
     clocks: dict[str, list[float]] = {"default": [0.0]}
-    for n in options["draft_layers"]:
-        engine = Engine(backend, GatewaySettings(model=model, draft_model=model, draft_layers=n))
+    drafts = {f"self-{n}": {"draft_layers": n} for n in options["draft_layers"]}
+    drafts.update({f"draft-{q}": {"draft_quant": q} for q in options.get("draft_quants", [])})
+    for label, how in drafts.items():
+        engine = Engine(backend, GatewaySettings(model=model, draft_model=model, **how))
         draft, clock = engine.speculators.draft_model, [0.0]
         make = draft.drafter
         draft.drafter = lambda make=make, clock=clock: _TimedDrafter(make(), clock)  # type: ignore[method-assign]
-        engines[f"self-{n}"], clocks[f"self-{n}"] = engine, clock
+        engines[label], clocks[label] = engine, clock
     tok = engines["default"].tokenizer
     prompts = {}
     for name in options["prompts"]:
@@ -109,7 +113,7 @@ def client_main(model: str, peer: str, options: dict) -> dict:
         prompts[name] = (ids, tok(reference, add_special_tokens=False)["input_ids"] if reference else [])
     modes = {"off": ("default", "off", False), "auto": ("default", "auto", False),
              "auto+prediction": ("default", "auto", True)}  # fmt: skip
-    modes.update({f"self-{n}": (f"self-{n}", "draft_model", False) for n in options["draft_layers"]})
+    modes.update({label: (label, "draft_model", False) for label in drafts})
 
     async def go() -> list[dict]:
         runs = []
@@ -144,7 +148,7 @@ def client_main(model: str, peer: str, options: dict) -> dict:
 
 def client_command(model: str, peer: str, args: argparse.Namespace) -> list[str]:
     options = {"prompts": args.prompts, "reps": args.reps, "max_tokens": args.max_tokens,
-               "draft_layers": args.draft_layers}  # fmt: skip
+               "draft_layers": args.draft_layers, "draft_quants": args.draft_quants}  # fmt: skip
     return [sys.executable, "-m", "load_tests.bench_speculation", "client", model, peer, json.dumps(options)]
 
 
@@ -255,6 +259,7 @@ def main() -> int:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--draft-layers", default="24", help="self-speculation modes: comma-separated layer counts")
     parser.add_argument("--out-prefix", default="load_tests/results/speculation-2026-12-06")
+    parser.add_argument("--draft-quants", default="", help="modes draft-Q: the whole served model quantized (int8,nf4)")
     parser.add_argument("--keep-tcp-window", action="store_true", help="lab hosts: tcp_slow_start_after_idle=0")
     if len(sys.argv) > 1 and sys.argv[1] == "client":
         result = client_main(sys.argv[2], sys.argv[3], json.loads(sys.argv[4]))
@@ -264,6 +269,7 @@ def main() -> int:
     scenarios = [s for s in args.scenarios.split(",") if s]
     args.prompts = [p for p in args.prompts.split(",") if p]
     args.draft_layers = [int(n) for n in args.draft_layers.split(",") if n]
+    args.draft_quants = [q for q in args.draft_quants.split(",") if q]
     if bad := [s for s in scenarios if s != "loopback" and s not in SCENARIOS] + sorted({*args.prompts} - {*PROMPTS}):
         parser.error(f"unknown scenario or prompt: {bad}")
     if any(s != "loopback" for s in scenarios):
@@ -278,7 +284,8 @@ def main() -> int:
     command = f"python -m load_tests.bench_speculation {' '.join(sys.argv[1:])}".strip()
     meta = {"date": time.strftime("%Y-%m-%d %H:%M"), "command": command, "git_head": git("rev-parse", "HEAD").strip(),
             "git_status": git("status", "--short").splitlines(), "model": model, "reps": args.reps,
-            "max_tokens": args.max_tokens, "draft_layers": args.draft_layers, "prompts": args.prompts,
+            "max_tokens": args.max_tokens, "draft_layers": args.draft_layers, "draft_quants": args.draft_quants,
+            "prompts": args.prompts,
             "machine": f"{os.cpu_count()} cores, {platform.machine()}, CPU, 1 torch thread each"}  # fmt: skip
     report: dict[str, Any] = {"meta": meta, "scenarios": {}}
     started = time.monotonic()

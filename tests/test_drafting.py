@@ -232,6 +232,41 @@ def test_truncated_draft_model_is_the_first_blocks(family, model_dirs, hf_models
     assert drafter.propose(context, 3) == greedy(small, context, 3)
 
 
+@pytest.mark.parametrize("quant", ["int8", "nf4"])
+def test_quantized_draft_model_drafts_with_its_dequantized_weights(quant, model_dirs, hf_models, caplog) -> None:
+    """``quant``: every projection of the draft's blocks runs on the workers' quantized kernel, and its drafts
+    are greedy decoding of the 🤗 model holding the dequantized weights."""
+    from worker.quant import Int8Linear, NF4Linear
+
+    with caplog.at_level(logging.WARNING, logger="gateway.drafting"):
+        draft = DraftModel.load(model_dirs["llama"], quant=quant)
+    assert not caplog.records
+    kind = {"int8": Int8Linear, "nf4": NF4Linear}[quant]
+    projections = [m for m in draft.model.modules() if isinstance(m, kind)]
+    assert len(projections) == 4 * 7  # q, k, v, o, gate, up, down of each of the 4 blocks
+    assert not any(type(m) is torch.nn.Linear for m in draft.model.model.layers.modules())
+
+    reference = copy.deepcopy(hf_models["llama"])
+    quantized = {name: m for name, m in draft.model.named_modules() if isinstance(m, kind)}
+    with torch.no_grad():
+        for name, module in reference.named_modules():
+            if name in quantized:
+                module.weight.copy_(quantized[name].weight)
+    context = random_context(reference.config.vocab_size, 12, seed=7)
+    with torch.inference_mode():
+        ids = torch.tensor([context])
+        assert torch.allclose(draft.model(ids).logits, reference(ids).logits, atol=1e-4)
+    assert draft.drafter().propose(context, 5) == greedy(reference, context, 5)
+
+
+def test_draft_quantization_limits(model_dirs, caplog) -> None:
+    with pytest.raises(ValueError, match="CPU drafts only"):
+        DraftModel.load(model_dirs["llama"], device="cuda", quant="int8")
+    with caplog.at_level(logging.WARNING, logger="gateway.drafting"):  # BLOOM's projections have other names
+        DraftModel.load(model_dirs["bloom"], quant="int8")
+    assert any("no projection it knows to quantize" in r.getMessage() for r in caplog.records)
+
+
 def test_bad_layer_counts(model_dirs) -> None:
     for layers in (0, -1, 5):
         with pytest.raises(ValueError, match="between 1 and the model's 4 layers"):

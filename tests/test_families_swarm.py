@@ -62,7 +62,8 @@ def _engine_results(engine: Any, specs: list[Any]) -> list[Any]:
 
 def test_gateway_speculation_is_exact(served) -> None:
     """The gateway's engine over this swarm: greedy tokens with guesses (prompt lookup from a prediction wrong
-    at every fourth token; self-speculation with the model's first layer + its head) equal the local 🤗
+    at every fourth token; self-speculation with the model's first layer + its head, quantized to int8 where
+    the family's projections are ones the int8 kernel knows) equal the local 🤗
     model's, with the guessing and the plain choice of one request batched into the same steps
     (``step_many`` mixing one- and many-token steps, rolled back on both servers)."""
     from gateway.choices import ChoiceSpec
@@ -76,7 +77,9 @@ def test_gateway_speculation_is_exact(served) -> None:
     prompt = [int(t) for t in _ids(local.config, 1, 5, seed=3)[0]] * 3  # repeated: prompt lookup finds guesses
     expected = local.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False)[0, len(prompt) :].tolist()
     backend = SwarmBackend(model_dir, [peers])
-    settings = GatewaySettings(model=model_dir, draft_model=model_dir, draft_layers=1, max_draft_tokens=4)
+    settings = GatewaySettings(
+        model=model_dir, draft_model=model_dir, draft_layers=1, draft_quant="int8", max_draft_tokens=4
+    )
     engine = Engine(backend, settings)
     try:
         greedy = SamplingParams(temperature=0.0)
