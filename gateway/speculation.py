@@ -36,6 +36,8 @@ from typing import TYPE_CHECKING, Literal, TypeVar
 import torch
 
 if TYPE_CHECKING:
+    from concurrent.futures import Executor
+
     from gateway.backend import DecodeSession
     from gateway.drafting import Drafter
 
@@ -142,6 +144,8 @@ class SpeculationStats:
     accepted: int = 0
     #: steps that carried guesses
     steps: int = 0
+    #: steps whose guesses were drafted while the step before travelled (gateway/draft_ahead.py)
+    drafted_ahead: int = 0
 
 
 class SpeculationPlanner:
@@ -213,8 +217,21 @@ class SpeculationPlanner:
 class ChoiceSpeculator:
     """One choice's speculation: its drafter, its planner, and the text so far (prompt + emitted tokens)."""
 
-    def __init__(self, drafter: Drafter, costs: StepCosts, max_draft: int, prompt_ids: Sequence[int], max_tokens: int):
+    def __init__(
+        self,
+        drafter: Drafter,
+        costs: StepCosts,
+        max_draft: int,
+        prompt_ids: Sequence[int],
+        max_tokens: int,
+        ahead: Executor | None = None,
+    ):
+        """``ahead``: where to draft the next step's guesses while a step is on the wire (gateway/draft_ahead.py;
+        for drafters whose guesses cost time)."""
+        from gateway.draft_ahead import LookAhead
+
         self.drafter = drafter
+        self.look_ahead = LookAhead(drafter, ahead) if ahead is not None else None
         self.costs = costs
         self.planner = SpeculationPlanner(drafter.name, costs, max_draft)
         self.context = list(prompt_ids)
@@ -247,16 +264,20 @@ class ChoiceSpeculator:
         """The guesses to send with the next step (feeding the last emitted token): as many as pay, never
         more than the choice may still emit after that token. A drafter that fails is not asked again."""
         k = 0 if self._failed else self.planner.guesses(self.room - 1)
+        started = time.perf_counter()
+        ready = self.look_ahead.take(self.context, k) if self.look_ahead is not None else None
         if k <= 0:
             return []
-        started = time.perf_counter()
         try:
-            drafts = [int(t) for t in self.drafter.propose(self.context, k)][:k]
+            drafts = ready if ready else [int(t) for t in self.drafter.propose(self.context, k)][:k]
+            self.stats.drafted_ahead += bool(ready)
         except Exception:
             logger.exception("the %s drafter failed; this choice decodes without guesses", self.drafter.name)
             self._failed = True
             return []
-        self.planner.observe_drafting(len(drafts), time.perf_counter() - started)
+        self.planner.observe_drafting(len(drafts), time.perf_counter() - started)  # only what the step waited
+        if self.look_ahead is not None:
+            self.look_ahead.start(self.context, drafts, min(k, self.room - len(drafts) - 2))
         return drafts
 
     def settle(
@@ -282,4 +303,7 @@ class ChoiceSpeculator:
         return out
 
     def close(self) -> None:
-        self.drafter.close()
+        if self.look_ahead is not None:
+            self.look_ahead.close(self.drafter.close)
+        else:
+            self.drafter.close()

@@ -10,6 +10,7 @@ while they pay, so speculation on by default never slows a choice down by more t
 from __future__ import annotations
 
 import logging
+from concurrent.futures import ThreadPoolExecutor
 
 from gateway.choices import ChoiceSpec
 from gateway.errors import InvalidRequestError
@@ -31,6 +32,8 @@ class Speculators:
         self.max_draft = settings.max_draft_tokens
         self.costs = costs
         self.draft_model = None
+        #: the thread that drafts a draft model's next guesses while a step is on the wire (gateway/draft_ahead.py)
+        self.ahead: ThreadPoolExecutor | None = None
         if settings.draft_model and enabled:
             from gateway.drafting import DraftModel
             from swarm_client.model_source import resolve_model_path
@@ -43,6 +46,7 @@ class Speculators:
             )
             path = str(resolve_model_path(settings.draft_model))
             self.draft_model = DraftModel.load(path, layers=settings.draft_layers, quant=settings.draft_quant)
+            self.ahead = ThreadPoolExecutor(max_workers=1, thread_name_prefix="draft-ahead")
 
     def check(self, mode: str | None) -> None:
         """A request's ``speculation`` field: one of ``SPECULATION_MODES``, and ``draft_model`` only with one."""
@@ -72,13 +76,16 @@ class Speculators:
         name = self.drafter_for(spec.speculation) if self.enabled else None
         if name is None or spec.max_tokens < 2:  # one token: nothing to guess
             return None
+        ahead = None
         if name == "draft_model" and self.draft_model is not None:
-            drafter = self.draft_model.drafter()
+            drafter, ahead = self.draft_model.drafter(), self.ahead
         else:
             from gateway.drafting import PromptLookupDrafter
 
             drafter = PromptLookupDrafter(spec.reference_ids)
-        return ChoiceSpeculator(drafter, self.costs, self.max_draft, spec.prompt_ids, spec.max_tokens)
+        return ChoiceSpeculator(drafter, self.costs, self.max_draft, spec.prompt_ids, spec.max_tokens, ahead)
 
     def close(self) -> None:
+        if self.ahead is not None:
+            self.ahead.shutdown(wait=False, cancel_futures=True)
         self.draft_model = None
