@@ -214,15 +214,25 @@ class DraftModel:
         model = model.to(device).eval()
         model.requires_grad_(False)
         if quant != "none":
-            from worker.quant import quantize_linears  # the workers' kernels (same package, loaded on demand)
-
-            if not quantize_linears(model, quant):
-                log.warning("draft model %s: no projection it knows to quantize; it drafts unquantized", path)
+            _quantize(model, quant, path)
         return cls(model)
 
     def drafter(self) -> ModelDrafter:
         """A drafter for one choice, with its own KV cache."""
         return ModelDrafter(self)
+
+
+def _quantize(model: torch.nn.Module, quant: str, path: str) -> None:
+    """The blocks' projections and the LM head on the workers' quantized kernels (same package, loaded on
+    demand). The head too: a small model's head is a large part of its time per token (SmolLM2-135M's int8
+    draft: 54 ms per token with a float head, 35 ms with an int8 one, the same guesses kept)."""
+    from worker.quant import quantize_linear, quantize_linears
+
+    if not quantize_linears(model, quant):
+        log.warning("draft model %s: no block projection it knows to quantize; only its head is %s", path, quant)
+    head = model.get_output_embeddings()
+    if type(head) is torch.nn.Linear:  # a tied head gets its own quantized copy; the embeddings stay as they are
+        model.set_output_embeddings(quantize_linear(head, quant))
 
 
 class _DropLoadReport(logging.Filter):

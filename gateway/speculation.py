@@ -107,16 +107,27 @@ class StepCosts:
     PRIOR_PER_TOKEN = 0.05
     MAX_PER_TOKEN = 2.0
     DECAY = 0.1
+    #: after this many steps with guesses and none without, ``base`` is stale (see ``wants_one_token_step``)
+    REFRESH_BASE_AFTER = 64
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self.base: float | None = None
         self.per_token: float | None = None
+        self._since_base = 0
+
+    def wants_one_token_step(self) -> bool:
+        """No one-token step measured yet, or none for ``REFRESH_BASE_AFTER`` steps: on a gateway where every
+        choice guesses (a draft model) nothing else would measure it, and without it a draft model's own time
+        could not be weighed against a trip."""
+        with self._lock:
+            return self.base is None or self._since_base >= self.REFRESH_BASE_AFTER
 
     def observe(self, tokens: int, seconds: float) -> None:
         if tokens < 1 or seconds <= 0:
             return
         with self._lock:
+            self._since_base = 0 if tokens == 1 else self._since_base + 1
             if tokens == 1:
                 self.base = seconds if self.base is None else self.base + self.DECAY * (seconds - self.base)
             elif self.base is not None:
@@ -158,6 +169,9 @@ class SpeculationPlanner:
     #: after this many steps without guesses, one step carries one guess again: the text may have turned
     #: repetitive (a quoted passage, a list), and an estimate never tested again would never recover
     EXPLORE_EVERY = 16
+    #: a drafter taking more per guess (a draft model, not prompt lookup) is weighed against a measured
+    #: one-token step (``StepCosts.wants_one_token_step``)
+    COSTLY_GUESS_S = 0.001
 
     def __init__(self, drafter_name: str, costs: StepCosts, max_draft: int):
         if not 1 <= max_draft <= MAX_DRAFT_TOKENS:
@@ -180,6 +194,8 @@ class SpeculationPlanner:
         """How many guesses to ask for when ``room`` more tokens may follow the one being fed: the ``k`` that
         maximises expected tokens per unit of step cost (0: plain decoding pays best)."""
         limit = min(self.max_draft, room)
+        if self.draft_seconds_per_guess > self.COSTLY_GUESS_S and self.costs.wants_one_token_step():
+            return 0  # guesses that cost time are weighed against a one-token step: measure one first
         alpha = min(self.acceptance, 0.99)
         base = self.costs.base
         drafting = self.draft_seconds_per_guess / base if base else 0.0  # per guess, in one-token steps

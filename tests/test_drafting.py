@@ -243,12 +243,16 @@ def test_quantized_draft_model_drafts_with_its_dequantized_weights(quant, model_
     assert not caplog.records
     kind = {"int8": Int8Linear, "nf4": NF4Linear}[quant]
     projections = [m for m in draft.model.modules() if isinstance(m, kind)]
-    assert len(projections) == 4 * 7  # q, k, v, o, gate, up, down of each of the 4 blocks
-    assert not any(type(m) is torch.nn.Linear for m in draft.model.model.layers.modules())
+    assert len(projections) == 4 * 7 + 1  # q, k, v, o, gate, up, down of each of the 4 blocks, and the head
+    assert not any(type(m) is torch.nn.Linear for m in draft.model.modules())
+    assert type(draft.model.get_input_embeddings()) is torch.nn.Embedding  # a tied head's copy is quantized
 
     reference = copy.deepcopy(hf_models["llama"])
     quantized = {name: m for name, m in draft.model.named_modules() if isinstance(m, kind)}
+    head = quantized.pop("lm_head")
+    reference.lm_head = torch.nn.Linear(head.in_features, head.out_features, bias=False)  # untied from embeddings
     with torch.no_grad():
+        reference.lm_head.weight.copy_(head.weight)
         for name, module in reference.named_modules():
             if name in quantized:
                 module.weight.copy_(quantized[name].weight)
@@ -264,7 +268,7 @@ def test_draft_quantization_limits(model_dirs, caplog) -> None:
         DraftModel.load(model_dirs["llama"], device="cuda", quant="int8")
     with caplog.at_level(logging.WARNING, logger="gateway.drafting"):  # BLOOM's projections have other names
         DraftModel.load(model_dirs["bloom"], quant="int8")
-    assert any("no projection it knows to quantize" in r.getMessage() for r in caplog.records)
+    assert any("only its head is int8" in r.getMessage() for r in caplog.records)
 
 
 def test_bad_layer_counts(model_dirs) -> None:

@@ -327,6 +327,29 @@ def test_a_slow_drafter_turns_itself_off() -> None:
     assert planner.guesses(room=100) == 0
 
 
+def test_a_costly_drafter_measures_a_one_token_step_first_and_again_later() -> None:
+    """Where every choice guesses, nothing else measures a one-token step: a drafter whose guesses cost time
+    makes one plain step when none was measured, and again after ``REFRESH_BASE_AFTER`` guessing steps."""
+    costs = StepCosts()
+    planner = SpeculationPlanner("draft_model", costs, max_draft=8)
+    for _ in range(10):
+        planner.observe(4, 4)  # every guess kept
+    assert planner.guesses(room=100) > 0  # drafting's cost not known yet: guess (and learn it)
+    planner.observe_drafting(4, 4 * 0.005)
+    assert planner.guesses(room=100) == 0  # now a one-token step first
+    costs.observe(1, 0.100)
+    assert planner.guesses(room=100) == 8
+    for _ in range(StepCosts.REFRESH_BASE_AFTER):
+        costs.observe(9, 0.110)
+    assert planner.guesses(room=100) == 0
+    costs.observe(1, 0.100)
+    assert planner.guesses(room=100) == 8
+    free = SpeculationPlanner("prompt_lookup", StepCosts(), max_draft=8)  # free guesses: no such step
+    free.observe(4, 4)
+    free.observe_drafting(4, 4e-5)
+    assert free.guesses(room=100) > 0
+
+
 def test_plain_choices_teach_the_one_token_step_cost(local_backend) -> None:
     engine = _engine(local_backend)
     assert engine.speculators.costs.base is None

@@ -81,15 +81,19 @@ class NF4Linear(_PackedProjection):
         return quant_gemm.nf4_linear(rows, self.panels, self.absmax, self.out_features, self.bias)
 
 
+def quantize_linear(linear: nn.Linear, quant: str) -> Int8Linear | NF4Linear:
+    """``linear`` as an ``Int8Linear`` (``quant="int8"``) or ``NF4Linear`` (``"nf4"``)."""
+    return {Quant.INT8.value: Int8Linear, Quant.NF4.value: NF4Linear}[quant](linear)
+
+
 def quantize_linears(block: nn.Module, quant: str) -> int:
     """Replace the CPU block's ``PACKABLE`` ``nn.Linear`` layers by ``Int8Linear`` / ``NF4Linear``; how many."""
-    cls = {Quant.INT8.value: Int8Linear, Quant.NF4.value: NF4Linear}[quant]
     if quant_gemm.load() is None:
         why = quant_gemm.load_error()
         logger.warning("quantized kernel unavailable (%s): %s runs on dequantized weights", why, quant)
     count = 0
     for parent, name, child in projections(block):
-        setattr(parent, name, cls(child))
+        setattr(parent, name, quantize_linear(child, quant))
         count += 1
     return count
 
