@@ -79,7 +79,7 @@ async def _one(engine: Any, prompt_ids: list[int], mode: str, max_tokens: int, r
     return {"completion_tokens": result.completion_tokens, "wall_s": round(wall, 4),
             "ttft_s": round(first or wall, 4), "finish_reason": result.finish_reason, "text": result.text,
             "drafter": s and s.drafter, "drafted": s.drafted if s else 0, "accepted": s.accepted if s else 0,
-            "steps": s.steps if s else 0}  # fmt: skip
+            "steps": s.steps if s else 0, "drafted_ahead": s.drafted_ahead if s else 0}  # fmt: skip
 
 
 def client_main(model: str, peer: str, options: dict) -> dict:
@@ -213,26 +213,29 @@ def summarize(result: dict) -> tuple[dict, list[str]]:
             "acceptance": round(accepted / drafted, 3) if drafted else None,
             "steps_with_guesses": med(lambda r: r["steps"]), "trips": med(lambda r: r["derived"]["trips"]),
             "tokens_per_trip": med(lambda r: r["derived"]["tokens_per_trip"], 2),
-            "draft_s": med(lambda r: r["draft_s"]),
+            "draft_s": med(lambda r: r["draft_s"]), "drafted_ahead": med(lambda r: r.get("drafted_ahead", 0)),
         }  # fmt: skip
     return rows, mismatches
 
 
 ROW = ("{prompt} | {mode} | {completion_tokens:g} | {decode_tok_s:.1f} | {x_off_decode:.2f} | {e2e_tok_s:.1f} | "
        "{x_off_e2e:.2f} | {drafted:g} | {accepted:g} | {acc} | {steps_with_guesses:g} | {trips:g} | "
-       "{tokens_per_trip:.2f} | {draft_s:.2f} |")  # fmt: skip
+       "{tokens_per_trip:.2f} | {draft_s:.2f} | {drafted_ahead:g} |")  # fmt: skip
 
 
 def markdown(report: dict) -> str:
     meta = report["meta"]
     head = ("scenario", "prompt", "mode", "tokens", "decode tok/s", "× off (decode)", "e2e tok/s", "× off (e2e)",
-            "drafted", "accepted", "acceptance", "steps w/ guesses", "trips", "tokens/trip", "draft s")  # fmt: skip
+            "drafted", "accepted", "acceptance", "steps w/ guesses", "trips", "tokens/trip", "draft s",
+            "steps drafted ahead")  # fmt: skip
     lines = [f"# Speculative decoding, {meta['date']}: SmolLM2-135M-Instruct on 3 workers × 10 layers", "",
              f"`{meta['command']}` at `{meta['git_head'][:12]}` plus a working tree with {len(meta['git_status'])} "
              f"paths changed or new (the JSON's meta.git_status); {meta['machine']}. Medians of {meta['reps']} reps "
              f"(modes interleaved, order rotated per rep), greedy, max_tokens {meta['max_tokens']}; × off = median "
              "over reps of the ratio to the same rep's `off` run. trips = completion − accepted (prefill + decode "
-             "steps); decode tok/s = (completion − 1) / (wall − first token); draft s = time in the drafter.", "",
+             "steps); decode tok/s = (completion − 1) / (wall − first token); draft s = time in the drafter (drafting "
+             "ahead included); steps drafted ahead: steps whose guesses were drafted while the step before "
+             "travelled (gateway/draft_ahead.py).", "",
              "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]  # fmt: skip
     for name, sc in report["scenarios"].items():
         if "error" in sc:
