@@ -46,5 +46,5 @@ fi
 # The schemathesis fuzz run goes in its own interpreter: after the rest of the suite, CPython 3.11.7 fails
 # compiling schemathesis's generated code with "AST constructor recursion depth mismatch" (a CPython bug
 # fixed in later 3.11 releases); alone it passes.
-python -m pytest --durations=25 --ignore=tests/test_gateway_schemathesis.py
+python -m pytest --durations=40 --ignore=tests/test_gateway_schemathesis.py
 python -m pytest tests/test_gateway_schemathesis.py
