@@ -226,7 +226,7 @@ def _quantize(model: torch.nn.Module, quant: str, path: str) -> None:
     """The blocks' projections and the LM head on the workers' quantized kernels (same package, loaded on
     demand). The head too: a small model's head is a large part of its time per token (SmolLM2-135M's int8
     draft: 54 ms per token with a float head, 35 ms with an int8 one, the same guesses kept)."""
-    from worker.quant import quantize_linear, quantize_linears
+    from swarm_client.kernels.quantized import quantize_linear, quantize_linears
 
     if not quantize_linears(model, quant):
         log.warning("draft model %s: no block projection it knows to quantize; only its head is %s", path, quant)

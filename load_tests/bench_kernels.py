@@ -27,8 +27,8 @@ from torch import nn
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from worker import cpu_gemm  # noqa: E402
-from worker.cpu_kernels import PackedLinear, PanelLinear, packing_supported  # noqa: E402
+from swarm_client.kernels import cpu_gemm  # noqa: E402
+from swarm_client.kernels.cpu_kernels import PackedLinear, PanelLinear, packing_supported  # noqa: E402
 
 #: (out_features, in_features) of q, k, v, o, gate, up, down in the medium model
 MEDIUM_SHAPES = [(1024, 1024), (256, 1024), (256, 1024), (1024, 1024), (2816, 1024), (2816, 1024), (1024, 2816)]

@@ -65,7 +65,7 @@ path, a, b, quant = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
 config = AutoConfig.from_pretrained(path)
 # what loading needs besides the weights, loaded first so that only the weights count: the modeling code,
 # both kernels, torch's first ops
-from worker import cpu_gemm, quant_gemm
+from swarm_client.kernels import cpu_gemm, quant_gemm
 from swarm_client.families import llama
 import transformers.models.llama.modeling_llama
 cpu_gemm.load(), quant_gemm.load()

@@ -12,10 +12,16 @@ import pytest
 import torch
 from torch import nn
 
+from swarm_client.kernels import cpu_gemm
+from swarm_client.kernels.cpu_kernels import (
+    PackedLinear,
+    PanelLinear,
+    pack_linears,
+    packing_supported,
+    resolve_cpu_kernels,
+)
 from tests.test_batching import make_sessions, runner_and_layout  # noqa: F401 - fixture
-from worker import cpu_gemm
 from worker.compute import SpanRunner, StepItem
-from worker.cpu_kernels import PackedLinear, PanelLinear, pack_linears, packing_supported, resolve_cpu_kernels
 
 CPU = torch.device("cpu")
 needs_onednn = pytest.mark.skipif(not packing_supported(CPU, torch.float32), reason="oneDNN not in this torch")
@@ -90,8 +96,8 @@ def test_a_kernel_that_cannot_build_falls_back_to_onednn(tmp_path):
     """No usable compiler (here: one that always fails) → oneDNN, with the reason in the log."""
     code = (
         "import logging, torch; logging.basicConfig(level=logging.INFO)\n"
-        "from worker.cpu_kernels import resolve_cpu_kernels\n"
-        "from worker import cpu_gemm\n"
+        "from swarm_client.kernels.cpu_kernels import resolve_cpu_kernels\n"
+        "from swarm_client.kernels import cpu_gemm\n"
         "print(resolve_cpu_kernels('auto', torch.device('cpu'), torch.float32))\n"
         "print(cpu_gemm.load_error())\n"
     )
@@ -164,8 +170,8 @@ def test_packed_blocks_match_plain_blocks(kind, runner_and_layout):  # noqa: F81
 def test_command_lines_offer_exactly_the_kernels_there_are():
     """``swarmserve worker`` and the benchmark spell the choices out (no torch import at parse time)."""
     from load_tests.bench_concurrency import parse_args
+    from swarm_client.kernels.cpu_kernels import CPU_KERNELS
     from swarmserve.cli import build_parser
-    from worker.cpu_kernels import CPU_KERNELS
 
     worker = build_parser()._subparsers._group_actions[0].choices["worker"]  # type: ignore[union-attr]
     (option,) = [a for a in worker._actions if "--cpu-kernels" in a.option_strings]

@@ -236,7 +236,7 @@ def test_truncated_draft_model_is_the_first_blocks(family, model_dirs, hf_models
 def test_quantized_draft_model_drafts_with_its_dequantized_weights(quant, model_dirs, hf_models, caplog) -> None:
     """``quant``: every projection of the draft's blocks runs on the workers' quantized kernel, and its drafts
     are greedy decoding of the 🤗 model holding the dequantized weights."""
-    from worker.quant import Int8Linear, NF4Linear
+    from swarm_client.kernels.quantized import Int8Linear, NF4Linear
 
     with caplog.at_level(logging.WARNING, logger="gateway.drafting"):
         draft = DraftModel.load(model_dirs["llama"], quant=quant)

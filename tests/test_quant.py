@@ -1,4 +1,5 @@
-"""Quantized servers (worker/quant.py, worker/quant_gemm.py): formats, kernel, blocks, auto choice, display;
+"""Quantized servers (worker/quant.py, swarm_client/kernels/quant_gemm.py): formats, kernel, blocks, auto choice,
+display;
 and real workers started with ``--quant int8`` (announced, routed or avoided by ``min_precision``, batched
 steps equal to unbatched ones)."""
 
@@ -16,8 +17,8 @@ from transformers import AutoConfig
 
 from swarm_client.dht_records import ServerInfo, ServerState
 from swarm_client.families import get_family
+from swarm_client.kernels import quant_gemm
 from swarmserve.processes import child_env, swarmserve_argv
-from worker import quant_gemm
 from worker.cache import CacheManager
 from worker.compute import SpanRunner, StepItem
 from worker.loading import load_blocks

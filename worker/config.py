@@ -21,7 +21,7 @@ class WorkerConfig:
     device: str = "cpu"
     dtype: str = "auto"
     #: on a float32 CPU server, projections run on packed weights: "auto" (our panel kernel where it builds,
-    #: else oneDNN), "panels", "onednn" or "torch" (worker/cpu_kernels.py)
+    #: else oneDNN), "panels", "onednn" or "torch" (swarm_client/kernels/cpu_kernels.py)
     cpu_kernels: str = "auto"
     #: weight quantization of the projections: "none", "int8", "nf4" or "auto" (by the span's size vs the free
     #: memory); CPU: our int8/NF4 kernels, CUDA: bitsandbytes (worker/quant.py)

@@ -12,10 +12,10 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from swarm_client.families import Family
+from swarm_client.kernels.cpu_kernels import pack_linears, resolve_cpu_kernels
 from swarm_client.lora import AdapterSpec, apply_adapters, read_adapter
 from swarm_client.model_source import ensure_shards
 from swarm_client.weights import load_tensors
-from worker.cpu_kernels import pack_linears, resolve_cpu_kernels
 from worker.quant import quantize_linears, quantize_linears_cuda, resolve_quant
 
 logger = logging.getLogger(__name__)
@@ -39,7 +39,7 @@ def load_blocks(
     From a Hub snapshot, the shards holding the span are downloaded first, all or none: the whole span's
     size is checked against ``max_disk_space`` (and the free space) before the first byte is fetched.
     ``cpu_kernels``: on a float32 CPU server, put the projections on packed weights (``auto``, ``panels``,
-    ``onednn``; worker/cpu_kernels.py); elsewhere, and with ``torch``, blocks keep plain layers.
+    ``onednn``; swarm_client/kernels/cpu_kernels.py); elsewhere, and with ``torch``, blocks keep plain layers.
     ``quant`` (``none``, ``int8``, ``nf4``, ``auto``; worker/quant.py): each block's projections are
     quantized right after its tensors are read, so the span never sits in memory at full precision.
     ``adapters``: PEFT LoRA checkpoints injected into every block (only the span's weights are read;

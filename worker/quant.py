@@ -4,8 +4,8 @@ Only the projections ``cpu_kernels.PACKABLE`` names are quantized (q/k/v/o and t
 routers and experts' gates keep the serving dtype. Each block is quantized right after its tensors are
 read (worker/loading.py), so loading a span peaks near its quantized size plus one float block.
 
-- CPU: ``Int8Linear`` / ``NF4Linear`` on our kernel (worker/quant_gemm.py; formats there). Where the kernel
-  cannot be built they run ``F.linear`` on the dequantized weight (slow, same numbers).
+- CPU: ``Int8Linear`` / ``NF4Linear`` on our kernel (swarm_client/kernels/quant_gemm.py, quantized.py; formats
+  there). Where the kernel cannot be built they run ``F.linear`` on the dequantized weight (same numbers).
 - CUDA: bitsandbytes' ``Linear8bitLt`` (LLM.int8(), threshold 6) and ``Linear4bit`` (NF4, compute in the
   serving dtype), as Petals does; bitsandbytes is an optional dependency (``pip install swarmserve[cuda]``),
   imported only by a CUDA server that asks for a quantization. **Not run here: no GPU on this machine.**
@@ -22,14 +22,16 @@ import logging
 import os
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from swarm_client.kernels import quant_gemm
+from swarm_client.kernels.cpu_kernels import projections
+from swarm_client.kernels.quantized import Int8Linear, NF4Linear, quantize_linear, quantize_linears
 from swarm_client.precision import Quant
-from worker import quant_gemm
-from worker.cpu_kernels import _PackedProjection, projections
 
 logger = logging.getLogger(__name__)
+
+__all__ = ["Int8Linear", "NF4Linear", "QuantizationUnavailable", "quantize_linear", "quantize_linears"]
 
 #: ``--quant`` choices
 QUANT_CHOICES = ("none", "int8", "nf4", "auto")
@@ -41,61 +43,6 @@ AUTO_WEIGHT_SHARE = 0.8
 
 class QuantizationUnavailable(RuntimeError):
     """The asked-for quantization cannot run here (e.g. CUDA without bitsandbytes); the message says why."""
-
-
-class Int8Linear(_PackedProjection):
-    """``nn.Linear`` with int8 weights (one scale per output channel) on the quantized panel kernel."""
-
-    quant = Quant.INT8.value
-
-    def __init__(self, linear: nn.Linear):
-        super().__init__(linear)
-        self.panels, self.scales = quant_gemm.pack_int8(*quant_gemm.quantize_int8(linear.weight))
-
-    @property
-    def weight(self) -> torch.Tensor:
-        return quant_gemm.unpack_int8(self.panels, self.scales, self.out_features)
-
-    def _rows(self, rows: torch.Tensor) -> torch.Tensor:
-        if quant_gemm.load() is None:
-            return F.linear(rows, self.weight, self.bias)
-        return quant_gemm.int8_linear(rows, self.panels, self.scales, self.out_features, self.bias)
-
-
-class NF4Linear(_PackedProjection):
-    """``nn.Linear`` with NF4 weights (absmax per 64 weights of a row) on the quantized panel kernel."""
-
-    quant = Quant.NF4.value
-
-    def __init__(self, linear: nn.Linear):
-        super().__init__(linear)
-        self.panels, self.absmax = quant_gemm.pack_nf4(*quant_gemm.quantize_nf4(linear.weight))
-
-    @property
-    def weight(self) -> torch.Tensor:
-        return quant_gemm.unpack_nf4(self.panels, self.absmax, self.out_features)
-
-    def _rows(self, rows: torch.Tensor) -> torch.Tensor:
-        if quant_gemm.load() is None:
-            return F.linear(rows, self.weight, self.bias)
-        return quant_gemm.nf4_linear(rows, self.panels, self.absmax, self.out_features, self.bias)
-
-
-def quantize_linear(linear: nn.Linear, quant: str) -> Int8Linear | NF4Linear:
-    """``linear`` as an ``Int8Linear`` (``quant="int8"``) or ``NF4Linear`` (``"nf4"``)."""
-    return {Quant.INT8.value: Int8Linear, Quant.NF4.value: NF4Linear}[quant](linear)
-
-
-def quantize_linears(block: nn.Module, quant: str) -> int:
-    """Replace the CPU block's ``PACKABLE`` ``nn.Linear`` layers by ``Int8Linear`` / ``NF4Linear``; how many."""
-    if quant_gemm.load() is None:
-        why = quant_gemm.load_error()
-        logger.warning("quantized kernel unavailable (%s): %s runs on dequantized weights", why, quant)
-    count = 0
-    for parent, name, child in projections(block):
-        setattr(parent, name, quantize_linear(child, quant))
-        count += 1
-    return count
 
 
 def bitsandbytes_module():

@@ -11,7 +11,7 @@ from swarmserve.cli.common import add_listen_flags, blocks_arg, subcommand
 from swarmserve.cli.dht import add_announce_flags, announced_maddrs
 
 DTYPES = ["auto", "float32", "bfloat16", "float16"]
-#: worker.cpu_kernels.CPU_KERNELS, repeated so ``--help`` does not import torch (a test keeps them equal)
+#: swarm_client.kernels.cpu_kernels.CPU_KERNELS, repeated so ``--help`` does not import torch (a test keeps them equal)
 CPU_KERNELS = ["auto", "panels", "onednn", "torch"]
 #: worker.quant.QUANT_CHOICES (repeated likewise; tests/test_quant.py keeps them equal)
 QUANT_CHOICES = ["none", "int8", "nf4", "auto"]

@@ -1,5 +1,5 @@
 """Weight-only int8 and NF4 formats for CPU servers, and the kernel that multiplies by them
-(``worker/csrc/quant_gemm.cpp``, built and loaded like the float32 panel kernel of worker/cpu_gemm.py).
+(``csrc/quant_gemm.cpp``, built and loaded like the float32 panel kernel of ``cpu_gemm``).
 
 - int8: symmetric, one float32 scale per output channel: ``w ≈ q * scale``, ``q`` in [-127, 127],
   ``scale = max|w_row| / 127``. 1 byte a weight (+4 bytes a row).
@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from worker import cpu_gemm
+from swarm_client.kernels import cpu_gemm
 
 logger = logging.getLogger(__name__)
 

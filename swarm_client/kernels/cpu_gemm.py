@@ -1,4 +1,4 @@
-"""The panel GEMM of ``worker/csrc/panel_gemm.cpp``: built once per machine, loaded with ctypes.
+"""The panel GEMM of ``swarm_client/kernels/csrc/panel_gemm.cpp``: built once per machine, loaded with ctypes.
 
 Why a kernel of our own: a CPU server's decode batches have 1–16 rows. MKL's GEMM and oneDNN reach only
 a third of this CPU's FMA throughput at such sizes, so eight rows cost three to four single rows, and
@@ -10,7 +10,7 @@ a row gives bit-identical outputs whichever rows it is batched with.
 The library is compiled on first use with the machine's C++ compiler (``$CXX`` or ``c++``) into
 ``$SWARMSERVE_CACHE`` (default ``~/.cache/swarmserve``)``/kernels``, keyed by the source's hash, and
 reused after that. Where there is no compiler, no AVX2/FMA, or the build fails, ``load()`` returns None and
-the server falls back to oneDNN (worker/cpu_kernels.py), saying why in its log.
+the server falls back to oneDNN (swarm_client/kernels/cpu_kernels.py), saying why in its log.
 """
 
 from __future__ import annotations
@@ -144,7 +144,7 @@ def linear(x: torch.Tensor, panels: torch.Tensor, out_features: int, bias: torch
     runs, and the columns are split between ``torch.get_num_threads()`` threads when there are enough."""
     lib = _library
     if lib is None:
-        raise RuntimeError("panel GEMM kernel not loaded (call worker.cpu_gemm.load() first)")
+        raise RuntimeError("panel GEMM kernel not loaded (call swarm_client.kernels.cpu_gemm.load() first)")
     m, k = x.shape
     y = torch.empty(m, out_features, dtype=torch.float32)
     total = panels.shape[0]

@@ -3,7 +3,7 @@
 Two packings, chosen per server with ``--cpu-kernels`` (``resolve_cpu_kernels``):
 
 - ``panels`` (the default where it builds: x86 with AVX2/FMA and a C++ compiler): our own small-batch
-  kernel (worker/cpu_gemm.py): 8 decode rows cost ≈2× one row, and results are batch-invariant;
+  kernel (swarm_client/kernels/cpu_gemm.py): 8 decode rows cost ≈2× one row, and results are batch-invariant;
 - ``onednn``: oneDNN's own layout (below), the fallback;
 - ``torch``: plain ``nn.Linear``.
 
@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from worker import cpu_gemm
+from swarm_client.kernels import cpu_gemm
 
 logger = logging.getLogger(__name__)
 
@@ -89,7 +89,7 @@ class _PackedProjection(nn.Module):
 
 
 class PanelLinear(_PackedProjection):
-    """The projection on the panel kernel's 16-column panels (worker/cpu_gemm.py)."""
+    """The projection on the panel kernel's 16-column panels (swarm_client/kernels/cpu_gemm.py)."""
 
     def __init__(self, linear: nn.Linear):
         if cpu_gemm.load() is None:
