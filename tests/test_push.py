@@ -133,7 +133,8 @@ def test_a_server_pushing_other_activations_than_it_answers_is_caught_without_sp
             assert tokens == reference
             assert session.failovers >= 1
             assert liar.peer_id not in {h.peer_id for h in session.route}
-            assert "pushed by" in model.manager.bans.reasons().get(liar.peer_id, "")
+            # its last ban's reason (kept until it succeeds again): the 1 s ban itself may be over by now
+            assert "pushed by" in (model.manager.bans.reason(liar.peer_id) or "")
         finally:
             model.shutdown()
     finally:
