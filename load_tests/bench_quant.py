@@ -37,10 +37,10 @@ import torch  # noqa: E402
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 from swarm_client.families import get_family  # noqa: E402
+from swarm_client.kernels.quantized import quantize_linears  # noqa: E402
 from worker.cache import CacheManager  # noqa: E402
 from worker.compute import SpanRunner, StepItem  # noqa: E402
 from worker.loading import load_blocks  # noqa: E402
-from worker.quant import quantize_linears  # noqa: E402
 
 QUANTS = ("none", "int8", "nf4")
 PROMPTS = [

@@ -18,6 +18,7 @@ from transformers import AutoConfig
 from swarm_client.dht_records import ServerInfo, ServerState
 from swarm_client.families import get_family
 from swarm_client.kernels import quant_gemm
+from swarm_client.kernels.quantized import Int8Linear, NF4Linear
 from swarmserve.processes import child_env, swarmserve_argv
 from worker.cache import CacheManager
 from worker.compute import SpanRunner, StepItem
@@ -25,8 +26,6 @@ from worker.loading import load_blocks
 from worker.quant import (
     BYTES_PER_PARAM,
     QUANT_CHOICES,
-    Int8Linear,
-    NF4Linear,
     QuantizationUnavailable,
     choose_quant,
     quantize_linears_cuda,

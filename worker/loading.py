@@ -13,10 +13,11 @@ from transformers import PretrainedConfig
 
 from swarm_client.families import Family
 from swarm_client.kernels.cpu_kernels import pack_linears, resolve_cpu_kernels
+from swarm_client.kernels.quantized import quantize_linears
 from swarm_client.lora import AdapterSpec, apply_adapters, read_adapter
 from swarm_client.model_source import ensure_shards
 from swarm_client.weights import load_tensors
-from worker.quant import quantize_linears, quantize_linears_cuda, resolve_quant
+from worker.quant import quantize_linears_cuda, resolve_quant
 
 logger = logging.getLogger(__name__)
 

@@ -26,12 +26,9 @@ from torch import nn
 
 from swarm_client.kernels import quant_gemm
 from swarm_client.kernels.cpu_kernels import projections
-from swarm_client.kernels.quantized import Int8Linear, NF4Linear, quantize_linear, quantize_linears
 from swarm_client.precision import Quant
 
 logger = logging.getLogger(__name__)
-
-__all__ = ["Int8Linear", "NF4Linear", "QuantizationUnavailable", "quantize_linear", "quantize_linears"]
 
 #: ``--quant`` choices
 QUANT_CHOICES = ("none", "int8", "nf4", "auto")
