@@ -205,7 +205,7 @@ class Holder:
     per delay (≈ 120 kB/s at 25 ms, whatever the window; load_tests/results/wan-tsq-2026-12-07.md). On a real
     link a packet is freed as soon as the NIC has sent it."""
 
-    def __init__(self, send: Callable[[bytes, bytes], object] | None = None) -> None:
+    def __init__(self, send: Callable[[bytes], object] | None = None) -> None:
         self.default = 0.0
         self.to: dict[bytes, float] = {}  # destination address (4 bytes) -> seconds
         self.send = send or _raw_sender()
@@ -218,36 +218,36 @@ class Holder:
         self.to = {socket.inet_aton(ip): float(ms) / 1000 for ip, ms in table.get("to", {}).items()}
 
     def hold(self, packet, now: float) -> None:
-        header = packet.get_payload()
-        destination = header[16:20]
+        copy = packet.get_payload()
+        destination = copy[16:20]
         release = max(now + self.to.get(destination, self.default), self.last.get(destination, 0.0))
         if release <= now:
             packet.accept()
             return
         self.last[destination] = release
-        heapq.heappush(self.heap, (release, next(self.seq), header))
+        heapq.heappush(self.heap, (release, next(self.seq), copy))
         packet.drop()
 
     def release_due(self, now: float) -> float | None:
         """Send what is due; return seconds until the next release (None: nothing held)."""
         while self.heap and self.heap[0][0] <= now:
-            copy = heapq.heappop(self.heap)[2]
-            self.send(copy, copy[16:20])
+            self.send(heapq.heappop(self.heap)[2])
         return self.heap[0][0] - now if self.heap else None
 
 
-def _raw_sender() -> Callable[[bytes, bytes], object]:
+def _raw_sender() -> Callable[[bytes], object]:
     """Sends a whole IPv4 packet as it is (``IPPROTO_RAW`` implies ``IP_HDRINCL``), marked ``RESENT_MARK``. A
     copy that cannot go (its route gone meanwhile, a link taken down by a test) is lost, as on a link."""
     raw = socket.socket(socket.AF_INET, socket.SOCK_RAW, socket.IPPROTO_RAW)
     raw.setsockopt(socket.SOL_SOCKET, socket.SO_MARK, RESENT_MARK)
     raw.setsockopt(socket.SOL_SOCKET, socket.SO_BROADCAST, 1)
 
-    def send(packet: bytes, destination: bytes) -> None:
+    def send(packet: bytes) -> None:
+        destination = socket.inet_ntoa(packet[16:20])
         try:
-            raw.sendto(packet, (socket.inet_ntoa(destination), 0))
+            raw.sendto(packet, (destination, 0))
         except OSError as e:
-            print(f"dropped a packet to {socket.inet_ntoa(destination)}: {e}", file=sys.stderr, flush=True)
+            print(f"dropped a packet to {destination}: {e}", file=sys.stderr, flush=True)
 
     return send
 

@@ -164,7 +164,7 @@ def test_holder_sends_copies_in_order_per_destination():
             self.verdict = "drop"
 
     sent: list[tuple[int, bytes]] = []
-    holder = Holder(send=lambda packet, destination: sent.append((packet[20], destination)))
+    holder = Holder(send=lambda packet: sent.append((packet[20], packet[16:20])))
     holder.configure({"default": 0, "to": {B: 30}})
     first, fast = Packet(B, 1), Packet(C, 2)
     holder.hold(first, now=0.0)
