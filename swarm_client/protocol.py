@@ -50,6 +50,12 @@ from hivemind.proto import runtime_pb2
 from hivemind.utils.serializer import MSGPackSerializer
 from hivemind.utils.streaming import split_for_streaming
 
+from swarm_client import p2p_guard
+
+# every process that speaks BlockRPC (clients, workers) reads unary answers with the guarded reader: hivemind's
+# own dies on a cancel racing an answer and leaves every later unary call to time out (issue 35)
+p2p_guard.install()
+
 #: tensors above this many bytes are split into chunks inside streams
 STREAM_CHUNK_BYTES = 2**20
 #: the largest single inference-stream message the client sends; longer prefills are split into steps

@@ -1,4 +1,4 @@
-"""Route choice through the swarm: which servers run which blocks, and which servers to avoid for a while.
+"""Route choice through the swarm: which servers run which blocks (the servers to avoid for a while: ``bans``).
 
 Pure decision code, no I/O: callers pass in the spans they read from the DHT (``dht_records``), the RTTs
 they measured and the peers they banned. ``find_route`` is Dijkstra over block boundaries: node ``s``
@@ -16,10 +16,10 @@ from __future__ import annotations
 
 import heapq
 import statistics
-import time
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 
+from swarm_client.bans import BanList
 from swarm_client.dht_records import RemoteSpanInfo, ServerState
 from swarm_client.errors import NoRouteError
 from swarm_client.route_explain import format_blocks, no_route_error
@@ -246,67 +246,3 @@ def _hops_from_path(path: tuple[tuple[str, int], ...], start: int) -> list[Route
         hops.append(RouteHop(peer_id, hop_start, hop_end))
         hop_start = hop_end
     return hops
-
-
-class BanList:
-    """Peers to avoid after a failure, with exponential backoff.
-
-    The n-th consecutive failure bans a peer for ``min(base * 2 ** (n - 1), max_ban)`` seconds.
-    ``report_success`` forgets the peer's failures; ``unban`` lifts the current ban but keeps the count,
-    so a peer that fails again right after is banned for longer. ``now`` defaults to ``time.monotonic()``.
-    Each ban keeps its reason (``reasons``), for the ``NoRouteError`` that names who is banned and why.
-    """
-
-    def __init__(self, base: float = 1.0, max_ban: float = 60.0):
-        if base <= 0 or max_ban < base:
-            raise ValueError(f"need 0 < base <= max_ban, got base={base}, max_ban={max_ban}")
-        self.base = base
-        self.max_ban = max_ban
-        self._failures: dict[str, int] = {}
-        self._until: dict[str, float] = {}
-        self._reasons: dict[str, str] = {}
-
-    @staticmethod
-    def _now(now: float | None) -> float:
-        return time.monotonic() if now is None else now
-
-    def ban(self, peer_id: str, now: float | None = None, reason: str = "") -> float:
-        """Record a failure of ``peer_id`` (because of ``reason``) and ban it; returns the ban duration."""
-        if reason:
-            self._reasons[peer_id] = reason
-        failures = self._failures.get(peer_id, 0) + 1
-        self._failures[peer_id] = failures
-        duration = min(self.base * 2.0 ** min(failures - 1, 64), self.max_ban)
-        self._until[peer_id] = self._now(now) + duration
-        return duration
-
-    def is_banned(self, peer_id: str, now: float | None = None) -> bool:
-        until = self._until.get(peer_id)
-        return until is not None and self._now(now) < until
-
-    def banned(self, now: float | None = None) -> set[str]:
-        """Peers banned at ``now``; pass this to ``find_route(banned=...)``."""
-        current = self._now(now)
-        return {peer_id for peer_id, until in self._until.items() if current < until}
-
-    def reason(self, peer_id: str) -> str | None:
-        """Why ``peer_id`` was last banned (kept until it succeeds again), or None."""
-        return self._reasons.get(peer_id)
-
-    def reasons(self, now: float | None = None) -> dict[str, str]:
-        """The reasons of the peers banned at ``now``; pass this to ``find_route(why=...)``."""
-        return {p: self._reasons[p] for p in self.banned(now) if p in self._reasons}
-
-    def unban(self, peer_id: str) -> None:
-        """Lift the current ban of ``peer_id`` (its failure count, hence the next backoff, stays)."""
-        self._until.pop(peer_id, None)
-
-    def report_success(self, peer_id: str) -> None:
-        """``peer_id`` worked: lift its ban and reset its backoff to ``base``."""
-        self._until.pop(peer_id, None)
-        self._failures.pop(peer_id, None)
-        self._reasons.pop(peer_id, None)
-
-    def failures(self, peer_id: str) -> int:
-        """Consecutive failures recorded for ``peer_id`` since its last success."""
-        return self._failures.get(peer_id, 0)

@@ -1,0 +1,82 @@
+"""The gateway wedge (issue 35): a unary call cancelled from outside just as its answer arrives killed
+hivemind's persistent-connection reader, and every later unary call (rpc_info: the client's pings) timed out
+while streams (rpc_inference: own connections) kept working — so every server got banned "behind NAT".
+
+The race, made deterministic with two real p2p daemons: the answer is in the socket before the loop
+iteration in which a task step cancels the call; the outer ``wait_for`` then cancels the inner future one
+iteration later, in the same batch as the reader that reads the answer, which (hivemind 1.1.12) calls
+``set_result`` on the cancelled future: ``InvalidStateError``, the reader task is dead, nobody notices.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+from hivemind.p2p import P2P
+from hivemind.p2p.servicer import ServicerBase
+from hivemind.proto import runtime_pb2
+
+from swarm_client import p2p_guard
+
+pytestmark = pytest.mark.timeout(60)
+
+
+class Echo(ServicerBase):
+    async def rpc_info(self, request: runtime_pb2.ExpertUID, context) -> runtime_pb2.ExpertInfo:
+        return runtime_pb2.ExpertInfo(serialized_info=b"alive")
+
+
+async def _pair() -> tuple[P2P, P2P]:
+    server = await P2P.create()
+    await Echo().add_p2p_handlers(server)
+    client = await P2P.create(initial_peers=await server.get_visible_maddrs())
+    return server, client
+
+
+async def _cancel_as_the_answer_lands(stub) -> None:
+    """Start an rpc_info, let its answer reach the client's socket while the loop is blocked, and cancel the
+    call from a callback that runs before that answer is read (as ``probe.cancel()`` does when a step's
+    answer and its liveness ping's land together on a saturated loop)."""
+    call = asyncio.ensure_future(stub.rpc_info(runtime_pb2.ExpertUID(uid=""), timeout=5.0))
+    for _ in range(20):  # the request goes out through the control client's writer task
+        await asyncio.sleep(0)
+    time.sleep(0.3)  # noqa: ASYNC251 - the loop is saturated on purpose: the answer arrives meanwhile
+    asyncio.get_running_loop().call_soon(call.cancel)
+    await asyncio.gather(call, return_exceptions=True)
+
+
+async def test_a_cancel_racing_the_answer_leaves_unary_calls_working() -> None:
+    p2p_guard.install()
+    server, client = await _pair()
+    try:
+        stub = Echo.get_stub(client, server.peer_id)
+        await stub.rpc_info(runtime_pb2.ExpertUID(uid=""), timeout=5.0)  # connected
+        for _ in range(3):
+            await _cancel_as_the_answer_lands(stub)
+        assert p2p_guard.unary_reader_alive(client)
+        t0 = time.monotonic()
+        answer = await stub.rpc_info(runtime_pb2.ExpertUID(uid=""), timeout=3.0)
+        assert answer.serialized_info == b"alive" and time.monotonic() - t0 < 1.0
+    finally:
+        await client.shutdown()
+        await server.shutdown()
+
+
+async def test_the_race_kills_the_unpatched_reader() -> None:
+    """The same race against hivemind's own reader: the cause, held (if hivemind fixes it, this fails and the
+    guard can go)."""
+    with p2p_guard.uninstalled():
+        server, client = await _pair()
+        try:
+            stub = Echo.get_stub(client, server.peer_id)
+            await stub.rpc_info(runtime_pb2.ExpertUID(uid=""), timeout=5.0)
+            for _ in range(3):
+                await _cancel_as_the_answer_lands(stub)
+            assert not p2p_guard.unary_reader_alive(client)
+            with pytest.raises(TimeoutError):
+                await stub.rpc_info(runtime_pb2.ExpertUID(uid=""), timeout=1.0)
+        finally:
+            await client.shutdown()
+            await server.shutdown()
