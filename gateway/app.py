@@ -2,7 +2,8 @@
 
 The caller owns the backend (creates it before, closes it after); the app only keeps it in ``app.state``.
 The app owns its session-affinity store (``app.state.affinity``: Redis with ``settings.redis_url``, else in
-memory; None with ``settings.affinity`` off) and closes it at shutdown.
+memory; None with ``settings.affinity`` off) and its stored responses (``app.state.responses_store``, the
+same choice), and closes them at shutdown.
 Middleware, outermost first: CORS → ``RequestContextMiddleware`` (x-request-id on every response, and the
 500 envelope for anything unexpected) → ``metrics.MetricsMiddleware`` (Prometheus metrics and the access
 log line of every request, ``gateway/access_log.py``) → the admission chain of
@@ -29,6 +30,8 @@ from gateway.engine import Engine
 from gateway.errors import error_response, install_error_handlers
 from gateway.limits import install_limits
 from gateway.metrics import install_metrics
+from gateway.responses_redis import RedisResponsesStore
+from gateway.responses_store import ResponsesStore, ResponseStore
 from gateway.route_info import EXPOSED_HEADERS
 from gateway.routes import ROUTERS, chat_page, swarm_page
 from gateway.routes.docs import install_docs
@@ -90,6 +93,7 @@ def create_app(backend: ModelBackend, settings: GatewaySettings | None = None) -
         app.state.swarm_view.close()
         if app.state.affinity is not None:
             await app.state.affinity.aclose()
+        await app.state.responses_store.aclose()
 
     app = FastAPI(
         title="swarmserve",
@@ -102,6 +106,7 @@ def create_app(backend: ModelBackend, settings: GatewaySettings | None = None) -
     app.state.settings = settings
     app.state.affinity = _affinity_store(backend, settings)
     app.state.engine = Engine(backend, settings, app.state.affinity)
+    app.state.responses_store = _responses_store(backend, settings)  # /v1/responses' stored responses
     app.state.swarm_view = SwarmView(backend)  # /health, /v1/swarm: read off the loop, once per flood
     app.state.started_at = int(time.time())
     for router in ROUTERS:
@@ -123,14 +128,36 @@ def create_app(backend: ModelBackend, settings: GatewaySettings | None = None) -
     return app
 
 
-def _affinity_store(backend: ModelBackend, settings: GatewaySettings) -> AffinityStore | None:
+def _namespace(backend: ModelBackend) -> str:
     """One namespace per swarm and model, so replicas serving the same swarm share records."""
+    return str(getattr(backend, "dht_prefix", None) or backend.model_id)
+
+
+def _affinity_store(backend: ModelBackend, settings: GatewaySettings) -> AffinityStore | None:
     if not settings.affinity:
         return None
-    namespace = str(getattr(backend, "dht_prefix", None) or backend.model_id)
+    namespace = _namespace(backend)
     return create_store(
         redis_url=settings.redis_url,
         namespace=namespace,
         ttl_s=settings.affinity_ttl_s,
         block_tokens=settings.affinity_block_tokens,
+    )
+
+
+def _responses_store(backend: ModelBackend, settings: GatewaySettings) -> ResponseStore:
+    """Stored responses in Redis with ``settings.redis_url`` (shared by replicas), else in this process."""
+    if settings.redis_url:
+        return RedisResponsesStore(
+            settings.redis_url,
+            _namespace(backend),
+            ttl_s=settings.responses_ttl_s,
+            max_entry_bytes=settings.responses_max_entry_bytes,
+            max_per_owner=settings.responses_max_per_owner,
+        )
+    return ResponsesStore(
+        settings.responses_max_entries,
+        settings.responses_ttl_s,
+        max_bytes=settings.responses_max_bytes,
+        max_entry_bytes=settings.responses_max_entry_bytes,
     )

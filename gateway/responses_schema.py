@@ -1,7 +1,7 @@
 """The wire types of OpenAI's Responses API (``POST /v1/responses``) that the gateway reads or writes, and
-the request checks that need no model: which parts of a request we cannot serve (a 400 naming the field
-path), ``input`` items → chat messages, ``text.format`` → the chat ``response_format`` the structured-output
-engine compiles.
+the request checks that need no model: which parts of a request we cannot serve or keep (a 400 naming the field
+path), ``text.format`` → the chat ``response_format`` the structured-output engine compiles. ``input`` items
+become chat messages in gateway/responses_input.py, tools a ``ToolPlan`` in gateway/responses_tools.py.
 
 Requests accept unknown fields and log them, as the chat and completions models do (gateway/openai_schema.py);
 fields that are known but cannot be honored are a 400 naming them, never silently ignored. Output models
@@ -28,18 +28,19 @@ __all__ = [
     "ResponseError",
     "ResponseObject",
     "ResponseUsage",
+    "FunctionCallItem",
+    "OutputItem",
     "check_supported",
-    "input_messages",
     "response_format_of",
 ]
 
-#: tool types the Responses API defines that run on OpenAI's side (or a client's computer): never here
-BUILTIN_TOOLS = (
-    "web_search", "web_search_preview", "file_search", "computer_use", "computer_use_preview",
-    "code_interpreter", "image_generation", "mcp", "local_shell", "shell", "apply_patch",
-)  # fmt: skip
-_TEXT_PARTS = ("input_text", "output_text")
-_MEDIA_PARTS = ("input_image", "input_file", "input_audio")
+#: OpenAI's bounds of ``metadata`` (the SDK's docs: 16 pairs, keys of at most 64 characters, values of 512)
+MAX_METADATA_PAIRS = 16
+MAX_METADATA_KEY = 64
+MAX_METADATA_VALUE = 512
+#: ``user``: the SDK documents no bound; 256 characters, as for a session key. ``safety_identifier``: 128
+MAX_USER = 256
+MAX_SAFETY_IDENTIFIER = 128
 
 
 # ---------------------------------------------------------------------------------------------- requests
@@ -82,18 +83,9 @@ class ResponseCreateRequest(OpenAIRequestModel):
 
 
 def check_supported(req: ResponseCreateRequest) -> None:
-    """A 400 naming the first part of ``req`` this server cannot serve."""
-    for i, tool in enumerate(req.tools or []):
-        kind = tool.get("type")
-        if kind == "function":
-            raise UnsupportedParameterError(
-                f"tools[{i}]", "is not supported on /v1/responses yet (function tools: no tool calling here)"
-            )
-        if isinstance(kind, str) and kind.startswith(BUILTIN_TOOLS):
-            raise UnsupportedParameterError(f"tools[{i}]", f"(built-in tool '{kind}') is not supported here")
-        raise UnsupportedParameterError(f"tools[{i}]", f"(tool type {kind!r}) is not supported here")
-    if req.tool_choice not in (None, "none", "auto"):
-        raise UnsupportedParameterError("tool_choice", "is not supported (no tools on this server)")
+    """A 400 naming the first part of ``req`` this server cannot serve or keep (tools are checked when they
+    are planned: gateway/responses_tools.py)."""
+    _check_bounds(req)
     if req.background:
         raise UnsupportedParameterError("background", "is not supported (responses run in the foreground)")
     if req.reasoning is not None and req.reasoning.get("effort") is not None:
@@ -114,54 +106,39 @@ def check_supported(req: ResponseCreateRequest) -> None:
         raise InvalidRequestError("input: Field required.", param="input")
 
 
-def input_messages(req: ResponseCreateRequest) -> list[dict[str, Any]]:
-    """``input`` as chat messages (``{"role", "content": str}``), ``developer`` as ``system`` (templates
-    written before OpenAI renamed the role do not know it). ``instructions`` are not among them."""
-    if req.input is None:
-        return []
-    if isinstance(req.input, str):
-        return [{"role": "user", "content": req.input}]
-    if not req.input:
-        raise InvalidRequestError("input: must contain at least one item.", param="input")
-    return [_message(item, f"input[{i}]") for i, item in enumerate(req.input)]
-
-
-def _message(item: dict[str, Any], where: str) -> dict[str, Any]:
-    kind = item.get("type", "message")
-    if kind != "message":
-        raise UnsupportedParameterError(f"{where}.type", f"(input item type {kind!r}) is not supported here")
-    role = item.get("role")
-    if role not in ("user", "system", "developer", "assistant"):
+def _check_bounds(req: ResponseCreateRequest) -> None:
+    """``metadata``, ``user`` and ``safety_identifier`` within OpenAI's bounds: they are kept with a stored
+    response, so a client must not make them megabytes (the 400 does not repeat what it refuses)."""
+    metadata = req.metadata or {}
+    if len(metadata) > MAX_METADATA_PAIRS:
         raise InvalidRequestError(
-            f"{where}.role: expected 'user', 'system', 'developer' or 'assistant', got {role!r}.",
-            param=f"{where}.role",
+            f"Invalid 'metadata': too many properties. Expected an object with at most {MAX_METADATA_PAIRS} "
+            f"properties, but got an object with {len(metadata)} properties instead.",
+            param="metadata",
         )
-    content = item.get("content")
-    if isinstance(content, str):
-        text = content
-    elif isinstance(content, list):
-        text = "\n".join(_part_text(part, f"{where}.content[{j}]") for j, part in enumerate(content))
-    else:
-        raise InvalidRequestError(
-            f"{where}.content: expected a string or a list of content parts.", param=f"{where}.content"
-        )
-    return {"role": "system" if role == "developer" else role, "content": text}
-
-
-def _part_text(part: Any, where: str) -> str:
-    if not isinstance(part, dict):
-        raise InvalidRequestError(f"{where}: expected a content part object.", param=where)
-    kind = part.get("type")
-    if kind in _MEDIA_PARTS:
-        raise UnsupportedParameterError(where, f"('{kind}' content) is not supported: this model reads text only")
-    if kind == "refusal" and isinstance(part.get("refusal"), str):
-        return str(part["refusal"])
-    if kind not in _TEXT_PARTS:
-        raise UnsupportedParameterError(f"{where}.type", f"(content part type {kind!r}) is not supported here")
-    text = part.get("text")
-    if not isinstance(text, str):
-        raise InvalidRequestError(f"{where}.text: Field required (a string).", param=f"{where}.text")
-    return text
+    for key, value in metadata.items():
+        if len(key) > MAX_METADATA_KEY:
+            raise InvalidRequestError(
+                f"Invalid 'metadata': a key is too long. Expected keys of at most {MAX_METADATA_KEY} characters, "
+                f"but got one of {len(key)} characters ({key[:16]!r}…).",
+                param="metadata",
+            )
+        if len(value) > MAX_METADATA_VALUE:
+            raise InvalidRequestError(
+                f"Invalid 'metadata.{key}': string too long. Expected a string with maximum length "
+                f"{MAX_METADATA_VALUE}, but got a string with length {len(value)} instead.",
+                param="metadata",
+            )
+    for name, text, limit in (
+        ("user", req.user, MAX_USER),
+        ("safety_identifier", req.safety_identifier, MAX_SAFETY_IDENTIFIER),
+    ):
+        if text is not None and len(text) > limit:
+            raise InvalidRequestError(
+                f"Invalid '{name}': string too long. Expected a string with maximum length {limit}, but got a "
+                f"string with length {len(text)} instead.",
+                param=name,
+            )
 
 
 def response_format_of(text: dict[str, Any] | None) -> dict[str, Any] | None:
@@ -203,6 +180,22 @@ class OutputMessage(OpenAIResponseModel):
     content: list[OutputText]
 
 
+class FunctionCallItem(OpenAIResponseModel):
+    """A call the model made (the SDK's ``ResponseFunctionToolCall``): ``id`` names the item (``fc_…``),
+    ``call_id`` the call, which a ``function_call_output`` input item answers."""
+
+    id: str
+    type: Literal["function_call"] = "function_call"
+    call_id: str
+    name: str
+    #: a JSON text, as the model wrote it
+    arguments: str
+    status: Literal["in_progress", "completed", "incomplete"]
+
+
+OutputItem = OutputMessage | FunctionCallItem
+
+
 class InputTokensDetails(OpenAIResponseModel):
     cached_tokens: int = 0
 
@@ -240,7 +233,7 @@ class ResponseObject(OpenAIResponseModel):
     max_output_tokens: int | None = None
     max_tool_calls: int | None = None
     model: str
-    output: list[OutputMessage] = Field(default_factory=list)
+    output: list[OutputItem] = Field(default_factory=list)
     parallel_tool_calls: bool = True
     previous_response_id: str | None = None
     reasoning: dict[str, Any] = Field(default_factory=lambda: {"effort": None, "summary": None})

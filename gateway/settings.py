@@ -53,8 +53,16 @@ class GatewaySettings(BaseSettings):
     #: how long a request waits in line for room when every server is full (gateway/capacity_queue.py)
     #: before its 503 + Retry-After; 0: answer the 503 at once
     busy_queue_timeout_s: float = Field(default=8.0, ge=0)
-    #: session-affinity store; None = in-memory (one gateway replica)
+    #: session-affinity store, rate-limit counters and stored responses; None = in-memory (one gateway replica)
     redis_url: str | None = None
+    #: stored responses of /v1/responses (gateway/responses_store.py): how long each is kept, the largest
+    #: one (a longer conversation is refused unless ``store: false``), and in memory the most entries and
+    #: bytes in all; in Redis (``redis_url``) the most entries per owner
+    responses_ttl_s: float = Field(default=3600.0, gt=0)
+    responses_max_entry_bytes: int = Field(default=4 * 2**20, ge=1)
+    responses_max_entries: int = Field(default=10_000, ge=1)
+    responses_max_bytes: int = Field(default=256 * 2**20, ge=1)
+    responses_max_per_owner: int = Field(default=1000, ge=1)
     #: resume the servers' KV caches of earlier requests that share the prompt's prefix (gateway/sessions.py)
     affinity: bool = True
     #: how long a finished session stays resumable: the workers' ``--session-ttl``

@@ -4,6 +4,7 @@ the tiny random Llama (LocalBackend), and (``slow``) over a real 2-worker swarm,
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import Iterator
 
@@ -246,8 +247,12 @@ def test_another_key_cannot_see_or_continue_a_response(keyed: Gateway) -> None:
         ({"tools": [{"type": "file_search", "vector_store_ids": ["v"]}]}, "tools[0]"),
         ({"tools": [{"type": "code_interpreter", "container": {"type": "auto"}}]}, "tools[0]"),
         ({"tools": [{"type": "mcp", "server_label": "x"}]}, "tools[0]"),
-        ({"tools": [{"type": "function", "name": "f", "parameters": {}}]}, "tools[0]"),
+        ({"tools": [{"type": "computer_use_preview", "display_width": 1, "display_height": 1}]}, "tools[0]"),
+        ({"tools": [{"type": "custom", "name": "f"}]}, "tools[0]"),
+        ({"tools": [{"type": "function", "name": "bad name"}]}, "tools[0].name"),
+        ({"tools": [{"type": "function", "parameters": {}}]}, "tools[0].name"),
         ({"tool_choice": "required"}, "tool_choice"),
+        ({"tool_choice": {"type": "web_search_preview"}}, "tool_choice"),
         ({"background": True}, "background"),
         ({"reasoning": {"effort": "high"}}, "reasoning.effort"),
         ({"include": ["file_search_call.results"]}, "include[0]"),
@@ -255,7 +260,8 @@ def test_another_key_cannot_see_or_continue_a_response(keyed: Gateway) -> None:
         ({"prompt": {"id": "pmpt_1"}}, "prompt"),
         ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input[0].content[0]"),
         ({"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}]}, "input[0].content[0]"),
-        ({"input": [{"type": "function_call_output", "call_id": "c", "output": "x"}]}, "input[0].type"),
+        ({"input": [{"type": "function_call_output", "call_id": "c", "output": "x"}]}, "input[0].call_id"),
+        ({"input": [{"type": "reasoning", "summary": []}]}, "input[0].type"),
         ({"input": [{"role": "tool", "content": "x"}]}, "input[0].role"),
         ({"text": {"format": {"type": "grammar"}}}, "text.format.type"),
         ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "nope"}}}}, "text.format"),
@@ -311,15 +317,18 @@ def test_store_is_bounded() -> None:
     store = ResponsesStore(max_entries=2, ttl_s=10, clock=lambda: now[0])
 
     def put(i: int, owner: str | None = "k") -> None:
-        store.put(StoredResponse(f"resp_{i}", owner, "key", [], {}))
+        asyncio.run(store.put(StoredResponse(f"resp_{i}", owner, "key", [], {})))
+
+    def get(i: int, owner: str | None) -> StoredResponse | None:
+        return asyncio.run(store.get(f"resp_{i}", owner))
 
     put(1), put(2), put(3)
-    assert (store.get("resp_1", "k"), len(store)) == (None, 2)  # the oldest went first
-    assert store.get("resp_3", "k") is not None and store.get("resp_3", "other") is None
+    assert (get(1, "k"), len(store)) == (None, 2)  # the oldest went first
+    assert get(3, "k") is not None and get(3, "other") is None
     now[0] = 10.5
-    assert store.get("resp_3", "k") is None and len(store) == 0  # expired
+    assert get(3, "k") is None and len(store) == 0  # expired
     put(4, None)
-    assert store.get("resp_4", None) is not None and store.get("resp_4", "k") is None
+    assert get(4, None) is not None and get(4, "k") is None
 
 
 def test_store_evicts_through_the_api(gw: Gateway, client: openai.OpenAI) -> None:

@@ -1,6 +1,6 @@
 """``/v1/responses``: create (``POST``), retrieve (``GET /{id}``), delete (``DELETE /{id}``), handed to
-gateway/responses_api.py. The stored responses live in ``app.state.responses_store`` (made on first use,
-sized from the environment: gateway/responses_store.py)."""
+gateway/responses_api.py. The stored responses live in ``app.state.responses_store`` (made by the app: in
+Redis with ``--redis-url``, else in memory; gateway/responses_store.py)."""
 
 from typing import Annotated
 
@@ -9,25 +9,21 @@ from fastapi import APIRouter, Depends, Request, Response
 from gateway.openai_schema import parse_request
 from gateway.responses_api import create_response, delete_response, retrieve_response
 from gateway.responses_schema import ResponseCreateRequest
-from gateway.responses_store import ResponsesStore
+from gateway.responses_store import ResponseStore
 from gateway.routes.deps import EngineDep, openapi_body
 
 router = APIRouter(tags=["openai"])
 
 
-def _store(request: Request) -> ResponsesStore:
-    state = request.app.state
-    store = getattr(state, "responses_store", None)
-    if store is None:  # no await between the check and the set: one store per app
-        store = state.responses_store = ResponsesStore.from_env()
-    return store
+def _store(request: Request) -> ResponseStore:
+    return request.app.state.responses_store
 
 
 async def _body(request: Request) -> ResponseCreateRequest:
     return parse_request(ResponseCreateRequest, await request.body())
 
 
-StoreDep = Annotated[ResponsesStore, Depends(_store)]
+StoreDep = Annotated[ResponseStore, Depends(_store)]
 ResponseBody = Annotated[ResponseCreateRequest, Depends(_body)]
 
 
