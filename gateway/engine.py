@@ -307,7 +307,7 @@ class Engine(PromptRules):
                 self.tokenizer, spec.prompt_ids, skip_special_tokens=not spec.keep_special_tokens
             )
             stopper = StopMatcher(spec.stop)
-            speculator = self.speculators.for_choice(spec)
+            speculator = self.speculators.for_choice(spec, sampler.allowed_prefix if sampler.constraint else None)
             pending: list[TokenLogprob] = []  # logprobs of tokens whose text is not out yet
             text, produced = "", 0
             finish: FinishReason = "length"
@@ -321,7 +321,7 @@ class Engine(PromptRules):
             ended = False
             while not ended:
                 cached = 0 if handle.cached_tokens_lost else reused
-                for token, lp in tokens:  # one sampled token, or several when a step's guesses were kept
+                for i, (token, lp) in enumerate(tokens):  # one sampled token, or several when guesses were kept
                     produced += 1
                     ended = True
                     if token in self.eos_ids:
@@ -332,7 +332,9 @@ class Engine(PromptRules):
                     text += stopper.push(detok.push(token))
                     if stopper.stopped:
                         break
-                    if sampler.finished:  # the grammar is complete: EOS is all it would allow
+                    # the grammar is complete: EOS is all it would allow. Its state is the whole step's, and
+                    # the token that completed it is the step's last (``verify`` ends the list there)
+                    if sampler.finished and i == len(tokens) - 1:
                         finish = "stop"
                         break
                     if produced >= spec.max_tokens:

@@ -27,6 +27,7 @@ class LogitsConstraint(Protocol):
 
     def mask(self, logits: torch.Tensor) -> torch.Tensor: ...  # forbidden tokens → -inf, in place
     def consume(self, token_id: int) -> None: ...
+    def accepted_prefix(self, token_ids: Sequence[int]) -> int: ...  # how many it would take, in order
 
     @property
     def done(self) -> bool: ...  # nothing more may follow
@@ -80,6 +81,11 @@ class Sampler:
         self._output_ids.append(token_id)
         if self.constraint is not None:
             self.constraint.consume(token_id)
+
+    def allowed_prefix(self, token_ids: Sequence[int]) -> int:
+        """How many of ``token_ids`` (guesses to follow what was observed) could be sampled in order: the
+        constraint's accepted prefix, all of them without one. The state is left as it is."""
+        return len(token_ids) if self.constraint is None else self.constraint.accepted_prefix(token_ids)
 
     @property
     def finished(self) -> bool:

@@ -76,7 +76,12 @@ def verify(
     (the last sampled token, then each guess); ``sample(row)`` samples (and records) one token the way
     plain decoding does. Guesses are kept while each equals its position's sample; the list ends with the
     first sample that is not a kept guess. ``stop(token)`` (EOS, a finished grammar) ends it early: what
-    would follow is never used."""
+    would follow is never used.
+
+    Constraints hold by the same rule: ``sample`` masks each row with the choice's grammar at the state the
+    tokens before it left (and advances it by the token it returns), so a guess the grammar forbids there
+    can never equal the sample, and the token that completes the grammar is always the last of the list —
+    what the caller must end the choice on, not on the grammar's state after the whole list."""
     if logits.shape[0] != len(drafts) + 1:
         raise ValueError(
             f"{logits.shape[0]} positions of logits for {len(drafts)} guesses (expected {len(drafts) + 1})"
@@ -241,9 +246,12 @@ class ChoiceSpeculator:
         prompt_ids: Sequence[int],
         max_tokens: int,
         ahead: Executor | None = None,
+        admit: Callable[[Sequence[int]], int] | None = None,
     ):
         """``ahead``: where to draft the next step's guesses while a step is on the wire (gateway/draft_ahead.py;
-        for drafters whose guesses cost time)."""
+        for drafters whose guesses cost time). ``admit(guesses)``: how many of them the choice's constraint
+        (a grammar) would let its sampler produce in order (``Sampler.allowed_prefix``); the rest are not sent,
+        since ``verify`` could never keep them."""
         from gateway.draft_ahead import LookAhead
 
         self.drafter = drafter
@@ -253,6 +261,7 @@ class ChoiceSpeculator:
         self.context = list(prompt_ids)
         #: tokens the choice may still emit
         self.room = max_tokens
+        self.admit = admit
         self._failed = False
 
     @property
@@ -292,6 +301,8 @@ class ChoiceSpeculator:
             self._failed = True
             return []
         self.planner.observe_drafting(len(drafts), time.perf_counter() - started)  # only what the step waited
+        if self.admit is not None and drafts:
+            drafts = drafts[: self.admit(drafts)]
         if self.look_ahead is not None:
             self.look_ahead.start(self.context, drafts, min(k, self.room - len(drafts) - 2))
         return drafts

@@ -10,6 +10,7 @@ while they pay, so speculation on by default never slows a choice down by more t
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 from gateway.choices import ChoiceSpec
@@ -72,7 +73,11 @@ class Speculators:
             return "draft_model" if self.draft_model is not None else "prompt_lookup"
         return mode
 
-    def for_choice(self, spec: ChoiceSpec) -> ChoiceSpeculator | None:
+    def for_choice(
+        self, spec: ChoiceSpec, admit: Callable[[Sequence[int]], int] | None = None
+    ) -> ChoiceSpeculator | None:
+        """The choice's speculator (None: plain decoding); ``admit`` truncates guesses to what the choice's
+        constraint allows (``Sampler.allowed_prefix``)."""
         name = self.drafter_for(spec.speculation) if self.enabled else None
         if name is None or spec.max_tokens < 2:  # one token: nothing to guess
             return None
@@ -83,7 +88,7 @@ class Speculators:
             from gateway.drafting import PromptLookupDrafter
 
             drafter = PromptLookupDrafter(spec.reference_ids)
-        return ChoiceSpeculator(drafter, self.costs, self.max_draft, spec.prompt_ids, spec.max_tokens, ahead)
+        return ChoiceSpeculator(drafter, self.costs, self.max_draft, spec.prompt_ids, spec.max_tokens, ahead, admit)
 
     def close(self) -> None:
         if self.ahead is not None:

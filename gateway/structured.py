@@ -19,7 +19,7 @@ import asyncio
 import functools
 import json
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Executor
 from typing import TYPE_CHECKING, Any
 
@@ -194,6 +194,13 @@ class GrammarConstraint:
             return
         if not self.matcher.consume_token(token_id):
             raise RuntimeError(f"the grammar rejected token {token_id}: {self.matcher.get_error()}")
+
+    def accepted_prefix(self, token_ids: Sequence[int]) -> int:
+        """How many of ``token_ids`` the grammar accepts one after another from here, its state unchanged
+        (speculation sends only guesses that could be kept). An end-of-sequence guess ends the count: after
+        it nothing is fed."""
+        upto = next((i for i, t in enumerate(token_ids) if t in self._eos_ids), len(token_ids))
+        return int(self.matcher.validate_tokens(list(token_ids[:upto]))) if upto else 0
 
     @property
     def done(self) -> bool:

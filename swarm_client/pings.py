@@ -49,8 +49,8 @@ def ping_failure_reason(error: PeerError, timeout: float, addrs: Collection[str]
     announces = f" (announces {', '.join(addrs)})" if addrs else ""
     if isinstance(error, PeerTimeout):
         return (
-            f"did not answer a ping within {timeout:.1f} s{announces} — it is overloaded, or behind NAT without "
-            "a port forward (then its operator should forward the port and pass --public-ip)"
+            f"did not answer a ping within {timeout:.1f} s{announces} — it may be behind NAT without a port "
+            "forward; its operator should forward the port and pass --public-ip"
         )
     return f"failed a ping{announces}: {error}"
 
@@ -74,18 +74,10 @@ class Pinger:
         self.ping_grace = ping_grace
         self.ping_grace_factor = ping_grace_factor
         self.tasks: dict[str, asyncio.Task] = {}
-        #: when each ping in flight started (monotonic): a ping far past its timeout is stuck (``stuck``)
-        self.started: dict[str, float] = {}
 
     def pending(self) -> set[str]:
         """Peers whose ping is still in flight."""
-        return {p for p, t in list(self.tasks.items()) if not t.done()}  # read off-loop too (/health)
-
-    def stuck(self, timeout: float) -> set[str]:
-        """Peers whose ping has been in flight for longer than ``timeout`` and a little: its own timeout should
-        have ended it (watched by ``watchdog``; a ping that never ends would keep its peer out of routes)."""
-        now = time.monotonic()
-        return {p for p in self.pending() if now - self.started.get(p, now) > timeout + _SLACK}
+        return {p for p, t in self.tasks.items() if not t.done()}
 
     def start(self, spans: Mapping[str, RemoteSpanInfo], banned: Collection[str]) -> set[str]:
         """Ping every ONLINE, unbanned, unmeasured peer of ``spans`` not being pinged yet; returns the pending."""
@@ -94,8 +86,7 @@ class Pinger:
                 continue
             task = asyncio.get_running_loop().create_task(self._ping(peer, span), name=f"ping {peer}")
             self.tasks[peer] = task
-            self.started[peer] = time.monotonic()
-            task.add_done_callback(lambda _, p=peer: (self.tasks.pop(p, None), self.started.pop(p, None)))
+            task.add_done_callback(lambda _, p=peer: self.tasks.pop(p, None))
         return self.pending()
 
     async def settle(self, spans: Mapping[str, RemoteSpanInfo], banned: Callable[[], Collection[str]]) -> None:
@@ -127,4 +118,3 @@ class Pinger:
         for task in list(self.tasks.values()):
             task.get_loop().call_soon_threadsafe(task.cancel)
         self.tasks.clear()
-        self.started.clear()
