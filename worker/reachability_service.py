@@ -2,19 +2,30 @@
 
 A server (or ``swarmserve dht``) that is reachable answers a newcomer's question "can you dial me at these
 addresses?" by dialing the *caller's own* peer id (``context.remote_id``; the request names no peer) from a
-separate probe ``P2P`` that has no connection to the caller, so the answer is about the announced addresses
-and not about the connection the question came on (Petals' approach, without its central web service).
+fresh probe ``P2P`` that has no connection to anybody, so the answer is about the announced addresses and not
+about the connection the question came on (Petals' approach, without its central web service).
 
-The RPC makes a stranger's node dial addresses, so everything is bounded and every refusal is an answer
-(``{"reachable": None, "error": <code>}``), never an exception: at most ``MAX_MADDRS`` multiaddrs of at most
-``MAX_MADDR_CHARS`` characters, each ``/ip4|ip6|dns|dns4|dns6/<host>/tcp/<port>`` with an optional
-``/p2p/<the caller's id>``; one check per caller at a time and one per ``per_peer_interval`` (the limiter
-remembers at most ``max_tracked`` callers); at most ``max_concurrent`` checks at once; a bounded dial.
+The RPC is unauthenticated and makes the checker dial, so it must not be a port scanner:
+
+- where: ``worker.dial_policy`` — public addresses, the caller's observed IP, and private networks the checker
+  is on and the caller is seen in (loopback only for a caller on loopback); DNS names resolved first;
+- how much: ONE address per check (``choose_dial``), dialed from a probe made for that check alone (a reused
+  probe's peerstore would keep earlier checks' addresses, and libp2p dials every address it knows);
+- how often: ``worker.check_limits`` — per peer id, per caller IP (Sybil ids on one host share a budget), and
+  at most ``max_concurrent`` at once;
+- what it tells: reachable or not, nothing else. Every failure reads the same and comes ``dial_timeout``
+  after the dial began, so a closed port, an open one and a silent one cannot be told apart.
+
+Requests are bounded too: at most ``MAX_MADDRS`` multiaddrs of at most ``MAX_MADDR_CHARS`` characters, each
+``/ip4|ip6|dns|dns4|dns6/<host>/tcp/<port>`` with an optional ``/p2p/<the caller's id>``. Refusals are answers
+(``{"reachable": None, "error": <code>}``), never exceptions; addresses the policy will not dial are answered
+``{"reachable": False, "error": "not_dialable: ..."}`` (the swarm could not dial them either).
 
 A relay check (worker/relay.py) sends circuit addresses instead, all of them
-``<host>/tcp/<port>/p2p/<relay>/p2p-circuit`` (optionally ``/p2p/<the caller's id>``): they are dialed from a
-second probe that has the circuit transport, written as the bytes go-multiaddr reads (hivemind's Multiaddr
-encodes ``/p2p/`` values as CIDs, which p2pd rejects), and rate-limited apart from direct checks.
+``<host>/tcp/<port>/p2p/<relay>/p2p-circuit`` (optionally ``/p2p/<the caller's id>``; the policy applies to the
+relay's address): they are dialed from a probe that has the circuit transport, written as the bytes
+go-multiaddr reads (hivemind's Multiaddr encodes ``/p2p/`` values as CIDs, which p2pd rejects), and
+rate-limited per peer apart from direct checks.
 
 Wire (unary, ``runtime_pb2.ExpertInfo`` both ways, msgpack in ``serialized_info``):
     caller → {"maddrs": ["/ip4/203.0.113.7/tcp/31330", ...]}
@@ -27,13 +38,15 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections import OrderedDict
+from collections.abc import Sequence
 
 from hivemind.p2p import P2P, P2PContext, PeerID, ServicerBase
 from hivemind.proto import runtime_pb2
 from hivemind.utils.multiaddr import Multiaddr
 
 from swarm_client import protocol
+from worker.check_limits import BUSY, CheckLimiter
+from worker.dial_policy import IPNetwork, choose_dial, local_networks, observed_ips, resolve_hosts
 
 __all__ = ["MAX_MADDRS", "MAX_MADDR_CHARS", "ReachabilityService", "circuit_maddr", "parse_caller_maddrs"]
 
@@ -42,8 +55,13 @@ logger = logging.getLogger(__name__)
 MAX_MADDRS = 8
 MAX_MADDR_CHARS = 256
 HOST_PROTOCOLS = frozenset({"ip4", "ip6", "dns", "dns4", "dns6"})
-#: refusal codes (the ``error`` of an answer with ``reachable: None``)
-BAD_REQUEST, RATE_LIMITED, BUSY, ALREADY_CHECKING = "bad_request", "rate_limited", "busy", "already_checking"
+BAD_REQUEST = "bad_request"  # refusal codes: this one, and check_limits' (answers with ``reachable: None``)
+#: the two ``reachable: False`` answers: nothing dialable, or the one dial failed (whatever the reason)
+NOT_DIALABLE = (
+    "not_dialable: a checker dials only public addresses, the address you connect from, and private networks "
+    "it shares with you"
+)
+UNREACHABLE = "unreachable: no libp2p connection to your peer id at the address dialed"
 
 
 class BadRequest(ValueError):
@@ -132,7 +150,9 @@ class _ProbeP2P(P2P):
 
 
 class ReachabilityService(ServicerBase):
-    """Serve ``rpc_check_reachability`` on a p2p (``add_p2p_handlers``); ``close()`` on shutdown."""
+    """Serve ``rpc_check_reachability`` on a p2p (``add_p2p_handlers``); ``close()`` on shutdown.
+
+    ``networks``: this machine's interface networks for the dial policy (default: read at start)."""
 
     @classmethod
     def _get_handle_name(cls, namespace: str | None, method_name: str) -> str:
@@ -146,28 +166,36 @@ class ReachabilityService(ServicerBase):
         per_peer_interval: float = 10.0,
         max_concurrent: int = 4,
         max_tracked: int = 4096,
-        probe_idle_s: float = 60.0,
+        host_burst: int = 6,
+        host_refill: float = 5.0,
+        networks: Sequence[IPNetwork] | None = None,
     ):
         self.dial_timeout = dial_timeout
-        self.per_peer_interval = per_peer_interval
-        self.max_concurrent = max_concurrent
-        self.max_tracked = max_tracked
-        self.probe_idle_s = probe_idle_s
-        self._last_check: OrderedDict[str, float] = OrderedDict()  # caller → when its last check began
-        self._running: set[str] = set()
-        self._probes: dict[bool, P2P] = {}  # relayed? → its probe
-        self._probe_lock = asyncio.Lock()
-        self._probe_used = 0.0
-        self._reaper: asyncio.Task | None = None
+        self.limits = CheckLimiter(
+            per_peer_interval=per_peer_interval,
+            host_burst=host_burst,
+            host_refill=host_refill,
+            max_concurrent=max_concurrent,
+            max_tracked=max_tracked,
+        )
+        self.networks = list(networks) if networks is not None else local_networks()
+        self._p2p: P2P | None = None  # the p2p the RPC is served on: who is connected from where
+        self._probes: set[P2P] = set()  # in use now (each check dials from a fresh one)
         #: answers given so far by outcome ("reachable", "unreachable", or a refusal code), for tests and logs
         self.answers: dict[str, int] = {}
+        #: dials made so far (each check makes at most one)
+        self.dials = 0
+
+    async def add_p2p_handlers(self, p2p: P2P, *args, **kwargs) -> None:
+        self._p2p = p2p
+        await super().add_p2p_handlers(p2p, *args, **kwargs)
 
     async def rpc_check_reachability(
         self, request: runtime_pb2.ExpertInfo, context: P2PContext
     ) -> runtime_pb2.ExpertInfo:
         caller = context.remote_id.to_base58()
         try:
-            reachable, error = await self._check(request, caller)
+            reachable, error = await self._check(request, context.remote_id)
         except Exception as exc:  # never let one request hurt the node serving it
             logger.warning("reachability check for %s failed: %r", caller, exc)
             reachable, error = None, f"{BUSY}: check failed on the checker"
@@ -176,7 +204,8 @@ class ReachabilityService(ServicerBase):
         payload = {"reachable": reachable, "error": error}
         return runtime_pb2.ExpertInfo(serialized_info=protocol.pack_metadata(payload))
 
-    async def _check(self, request: runtime_pb2.ExpertInfo, caller: str) -> tuple[bool | None, str | None]:
+    async def _check(self, request: runtime_pb2.ExpertInfo, peer: PeerID) -> tuple[bool | None, str | None]:
+        caller = peer.to_base58()
         try:
             metadata = protocol.unpack_metadata(request.serialized_info)
             maddrs = parse_caller_maddrs(metadata.get("maddrs"), caller)
@@ -185,76 +214,44 @@ class ReachabilityService(ServicerBase):
             return None, f"{BAD_REQUEST}: {exc}"
         except Exception:
             return None, f"{BAD_REQUEST}: metadata must be a msgpack map"
+        observed = await observed_ips(self._p2p, peer) if self._p2p is not None else []
+        host = str(observed[0]) if observed else "relayed"  # callers without a direct connection share one
         key = f"{caller}/relay" if relayed else caller  # a relay check follows a direct one within seconds
-        refusal = self._admit(key)
+        refusal = self.limits.admit(key, host)
         if refusal is not None:
             return None, refusal
-        self._running.add(key)
         try:
-            return await self._dial(caller, maddrs, relayed)
+            candidates = await resolve_hosts(maddrs, dns=not relayed)
+            target = choose_dial(candidates, observed, self.networks)
+            if target is None:
+                return False, NOT_DIALABLE
+            return await self._dial(peer, target, relayed)
         finally:
-            self._running.discard(key)
+            self.limits.done(key, host)
 
-    def _admit(self, caller: str) -> str | None:
-        """None if ``caller`` may be checked now (and note it), else the refusal."""
-        if caller in self._running:
-            return f"{ALREADY_CHECKING}: one check per peer at a time"
-        if len(self._running) >= self.max_concurrent:
-            return f"{BUSY}: {self.max_concurrent} checks already running; ask another peer or later"
-        now = time.monotonic()
-        while self._last_check and now - next(iter(self._last_check.values())) >= self.per_peer_interval:
-            self._last_check.popitem(last=False)  # oldest first: the dict is in check order
-        last = self._last_check.get(caller)
-        if last is not None:
-            wait = self.per_peer_interval - (now - last)
-            return f"{RATE_LIMITED}: one check per {self.per_peer_interval:g} s; retry in {wait:.1f} s"
-        if len(self._last_check) >= self.max_tracked:
-            return f"{BUSY}: too many peers checked in the last {self.per_peer_interval:g} s"
-        self._last_check[caller] = now
-        return None
-
-    async def _dial(self, caller: str, maddrs: list[Multiaddr], relayed: bool = False) -> tuple[bool, str | None]:
-        probe = await self._get_probe(relayed)
-        peer = PeerID.from_base58(caller)
+    async def _dial(self, peer: PeerID, target: Multiaddr, relayed: bool) -> tuple[bool, str | None]:
+        """One dial of ``target`` from a fresh probe (no addresses of earlier checks in its peerstore, so the
+        dial goes nowhere else). Unreachable answers come ``dial_timeout`` after the dial began, whatever
+        failed, so neither the answer nor its timing tells a closed port from an open or silent one."""
+        began = time.monotonic()
+        probe = await _ProbeP2P.create(
+            dht_mode="off", no_listen=True, auto_nat=False, nat_port_map=False, use_relay=relayed
+        )
+        self._probes.add(probe)
         try:
-            await asyncio.wait_for(probe._client.connect(peer, maddrs), self.dial_timeout)  # noqa: SLF001
+            self.dials += 1
+            await asyncio.wait_for(probe._client.connect(peer, [target]), self.dial_timeout)  # noqa: SLF001
             return True, None
-        except TimeoutError:
-            return False, f"no connection within {self.dial_timeout:g} s"
-        except Exception as exc:
-            return False, f"dial failed: {str(exc)[:300]}"
+        except Exception:  # refused, timed out, not libp2p, another peer id: all the same to the caller
+            await asyncio.sleep(max(0.0, self.dial_timeout - (time.monotonic() - began)))
+            return False, UNREACHABLE
         finally:
-            self._probe_used = time.monotonic()
+            self._probes.discard(probe)
             with contextlib.suppress(Exception):
-                await asyncio.wait_for(probe._client.disconnect(peer), 2.0)  # noqa: SLF001
-
-    async def _get_probe(self, relayed: bool = False) -> P2P:
-        """A probe p2p: created on first use (a fresh daemon, no connection to anybody), kept while used."""
-        async with self._probe_lock:
-            probe = self._probes.get(relayed)
-            if probe is None or not probe.is_alive:
-                self._probes[relayed] = probe = await _ProbeP2P.create(
-                    dht_mode="off", no_listen=True, auto_nat=False, nat_port_map=False, use_relay=relayed
-                )
-                self._reaper = self._reaper or asyncio.create_task(self._close_when_idle())
-            self._probe_used = time.monotonic()
-            return probe
-
-    async def _close_when_idle(self) -> None:
-        while True:
-            await asyncio.sleep(min(self.probe_idle_s, 10.0))
-            async with self._probe_lock:
-                idle = time.monotonic() - self._probe_used >= self.probe_idle_s
-                if not idle or self._running or not self._probes:
-                    continue
-                probes, self._probes = list(self._probes.values()), {}
-            for probe in probes:
                 await probe.shutdown()
 
     async def close(self) -> None:
-        if self._reaper is not None:
-            self._reaper.cancel()
-            self._reaper = None
-        probes, self._probes = list(self._probes.values()), {}
+        probes, self._probes = list(self._probes), set()
         for probe in probes:
-            await probe.shutdown()
+            with contextlib.suppress(Exception):
+                await probe.shutdown()
