@@ -75,7 +75,7 @@ async def create_chat_completion(engine: Engine, req: ChatCompletionRequest, req
     native_tools = tools.tools if tools is not None and fmt.native else None
     prompt = await engine.render_chat(messages, native_tools, requested=requested)
     max_tokens = engine.max_tokens_for(len(prompt), requested, param="messages")
-    stop = stop_list(req.stop)
+    stop = stop_list(req.stop) + (tools.stop if tools is not None else [])
     grammar = await _chat_grammar(engine, req, tools)
     keep_special = tools is not None and await engine.special_token_id(fmt.opener or "<|python_tag|>") is not None
     engine.speculators.check(req.speculation)
@@ -255,7 +255,7 @@ def _reply(result: ChoiceResult, tools: ToolPlan | None) -> tuple[ChatCompletion
     """A choice's message (its tool calls parsed out of the text) and finish reason."""
     if tools is None:
         return ChatCompletionMessage(content=result.text), result.finish_reason
-    parsed = parse_tool_calls(result.text, tools.fmt)
+    parsed = parse_tool_calls(result.text, tools.fmt, tools.max_calls)
     if not parsed.calls:
         return ChatCompletionMessage(content=parsed.content), result.finish_reason
     calls = [

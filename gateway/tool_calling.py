@@ -5,7 +5,10 @@ before anything runs, and the instructions a chat template that knows no tools g
 prompt; ``"auto"`` (the default with tools) renders them through the chat template and parses whatever
 calls the model writes (gateway/tool_parser.py); ``"required"`` and a named function also force the reply
 to be calls, through a grammar (gateway/tool_grammar.py), so their arguments always parse against the
-function's schema. ``parallel_tool_calls`` (default true) allows several calls in one reply.
+function's schema. How many calls a reply makes is the grammar's decision, not the model's: a named function
+is called exactly once, ``required`` makes at least one call, and ``parallel_tool_calls: false`` at most one
+(forced: the grammar writes one; ``auto``: the reply ends with its first call's closer and nothing after the
+first call is parsed). ``parallel_tool_calls`` (default true) allows several calls in one reply otherwise.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ class ToolPlan:
     mode: ToolMode
     #: the function ``tool_choice`` names (mode ``named``)
     named: str | None
+    #: several calls in one reply (never for a named function: it is called once)
     parallel: bool
 
     @property
@@ -50,8 +54,19 @@ class ToolPlan:
         every = [t["function"] for t in self.tools]
         return [f for f in every if f["name"] == self.named] if self.mode == "named" else every
 
+    @property
+    def max_calls(self) -> int | None:
+        """The most calls one reply may make (None: as many as the grammar or the model write)."""
+        return None if self.parallel else 1
+
+    @property
+    def stop(self) -> list[str]:
+        """Stop strings the plan adds: a free reply (``auto``) limited to one call ends at that call's closer
+        (the parser reads the call complete without it); the grammar of a forced reply ends it by itself."""
+        return [self.fmt.closer] if self.mode == "auto" and not self.parallel and self.fmt.closer else []
+
     def parser(self) -> ToolCallParser:
-        return ToolCallParser(self.fmt)
+        return ToolCallParser(self.fmt, self.max_calls)
 
 
 def plan_tools(req: ChatCompletionRequest, fmt: ToolFormat) -> ToolPlan | None:
@@ -74,7 +89,7 @@ def plan_tools(req: ChatCompletionRequest, fmt: ToolFormat) -> ToolPlan | None:
     mode, named = _choice(req.tool_choice, names)
     if mode == "none" or not tools:
         return None
-    parallel = req.parallel_tool_calls is not False
+    parallel = req.parallel_tool_calls is not False and mode != "named"
     return ToolPlan(fmt, tools, mode, named, parallel)
 
 

@@ -137,12 +137,15 @@ def _loads_str(text: str) -> str | None:
 class ToolCallParser:
     """One choice's output → content text and tool call deltas, for ``fmt``."""
 
-    def __init__(self, fmt: ToolFormat):
+    def __init__(self, fmt: ToolFormat, max_calls: int | None = None):
+        """``max_calls``: the most calls the reply may make (``parallel_tool_calls: false``: one); whatever
+        the model writes after that many complete calls is dropped."""
         self.fmt = fmt
+        self.max_calls = max_calls
         self.calls: list[ParsedCall] = []
         #: start (llama3_json: before the first character that counts) · plain (no calls can follow) · text
         #: (looking for the opener) · opened (after the opener) · array (inside mistral's array) · object
-        #: (inside a call) · after (after a call: closer, separator, blanks or text)
+        #: (inside a call) · after (after a call: closer, separator, blanks or text) · done (``max_calls`` made)
         self._state = "start" if fmt.opener is None else "text"
         self._held = ""  # text that may still open a call, or blanks around calls
         self._call: _CallObject | None = None
@@ -161,7 +164,7 @@ class ToolCallParser:
         out: list[Event] = []
         if self._call is not None:
             self._close_call(out, complete=False)
-        if self._held and not (self.calls and self._held.isspace()):
+        if self._held and self._state != "done" and not (self.calls and self._held.isspace()):
             out.append(self._held)
         self._held = ""
         return _merged(out)
@@ -170,6 +173,8 @@ class ToolCallParser:
 
     def _push(self, ch: str, out: list[Event]) -> None:
         state = self._state
+        if state == "done":
+            return
         if state == "plain":
             out.append(ch)
         elif state == "text":
@@ -269,6 +274,8 @@ class ToolCallParser:
         else:
             current.arguments = call.arguments_text
         self._state = "array" if self.fmt.array else "after"
+        if self.max_calls is not None and len(self.calls) >= self.max_calls:
+            self._state, self._held = "done", ""
 
     def _after_char(self, ch: str, out: list[Event]) -> None:
         """After a call: the closer (hermes), "; " and the next call (llama3_json), blanks, or text."""
@@ -330,9 +337,9 @@ class ParsedReply:
     calls: list[ParsedCall] = field(default_factory=list)
 
 
-def parse_tool_calls(text: str, fmt: ToolFormat) -> ParsedReply:
-    """A whole reply → its content (None when only calls, or nothing) and its calls."""
-    parser = ToolCallParser(fmt)
+def parse_tool_calls(text: str, fmt: ToolFormat, max_calls: int | None = None) -> ParsedReply:
+    """A whole reply → its content (None when only calls, or nothing) and its calls (at most ``max_calls``)."""
+    parser = ToolCallParser(fmt, max_calls)
     events = parser.feed(text) + parser.finish()
     content = "".join(e for e in events if isinstance(e, str))
     if parser.calls and not content.strip():

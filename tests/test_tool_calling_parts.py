@@ -273,3 +273,44 @@ def test_tool_choice_none_and_no_tools_plan_nothing() -> None:
     auto = plan_tools(ChatCompletionRequest.model_validate({**base, "tools": with_none["tools"]}), HERMES)
     assert auto is not None and auto.mode == "auto" and not auto.forced and auto.parallel
     assert json.loads(json.dumps(auto.tools))[0]["function"]["name"] == "get_time"
+
+
+def _time_plan(**fields) -> object:
+    body = {"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function", "function": TIME}]}
+    return plan_tools(ChatCompletionRequest.model_validate({**body, **fields}), HERMES)
+
+
+def test_how_many_calls_is_the_plans_decision() -> None:
+    """A named function is called once (even with parallel calls on); ``required`` at least once, as many as
+    allowed; ``parallel_tool_calls: false`` at most once — a free reply (``auto``) then ends at its first
+    call's closer, and the parser keeps that call only."""
+    named = _time_plan(tool_choice={"type": "function", "function": {"name": "get_time"}})
+    assert (named.parallel, named.max_calls, named.stop) == (False, 1, [])
+    assert "{0," not in tool_call_grammar(named.functions, HERMES, parallel=named.parallel)  # one block, no more
+    required = _time_plan(tool_choice="required")
+    assert (required.parallel, required.max_calls, required.stop) == (True, None, [])
+    single = _time_plan(parallel_tool_calls=False)
+    assert (single.mode, single.max_calls, single.stop) == ("auto", 1, ["</tool_call>"])
+    assert _time_plan().stop == [] and _time_plan().max_calls is None
+    llama = plan_tools(
+        ChatCompletionRequest.model_validate(
+            {"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function", "function": TIME}],
+             "parallel_tool_calls": False}
+        ),
+        LLAMA,
+    )  # fmt: skip
+    assert llama.stop == []  # no closer to stop at: the parser alone keeps one call
+
+
+@pytest.mark.parametrize("fmt, text", [(f, t) for f, t, _, calls in CASES if len(calls) > 1])
+def test_parser_keeps_at_most_max_calls(fmt, text) -> None:
+    whole = parse_tool_calls(text, fmt, max_calls=1)
+    assert [c.name for c in whole.calls] == [parse_tool_calls(text, fmt).calls[0].name]
+    for seed in range(5):  # streamed in any pieces: the same single call, nothing of the second one
+        parser = ToolCallParser(fmt, max_calls=1)
+        events = _stream(parser, text, seed)
+        assert len(parser.calls) == 1
+        assert {e.index for e in events if isinstance(e, ToolCallDelta)} == {0}
+        assert "search" not in "".join(e for e in events if isinstance(e, str))
+    cut = text[: text.index("}}") + 2]  # the reply stopped at the first call's closer (auto, stop string)
+    assert len(parse_tool_calls(cut, fmt, max_calls=1).calls) == 1
