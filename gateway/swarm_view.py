@@ -27,7 +27,7 @@ from typing import Any
 from swarm_client.dht_records import ServerState
 
 __all__ = ["STATE_MAX_AGE_S", "THREAD_NAME_PREFIX", "CacheRoom", "SwarmView", "backend_room", "cache_room",
-           "reachability_label", "with_quant"]  # fmt: skip
+           "reachability_label", "with_client_view", "with_quant"]  # fmt: skip
 
 #: how old a swarm view ``/health`` and ``/v1/swarm`` may answer from (probes and pages poll them: one DHT
 #: read per interval serves them all)
@@ -106,14 +106,52 @@ def with_quant(state: dict[str, Any], backend: Any) -> dict[str, Any]:
     return {**state, "spans": [{**row, "quant": quant.get(row.get("peer_id"), "none")} for row in rows]}
 
 
+def _banned(manager: Any) -> set[str]:
+    bans = getattr(manager, "bans", None)
+    return set(bans.banned()) if bans is not None else set()
+
+
 def backend_room(backend: Any) -> CacheRoom | None:
-    """The room of the swarm ``backend``'s client knows now (its routing view: no DHT read); None for a
-    backend without a swarm (in-process) or before its first read."""
+    """The room the swarm ``backend``'s client can use now (its routing view: no DHT read), counting only the
+    servers it can route to (not banned: a banned replica's free cache is no room for a new session); None for
+    a backend without a swarm (in-process) or before its first read. Where every server of some block is
+    banned, the announced room (``/health`` says "unavailable" then, and routing waits or answers 503)."""
     manager, num_blocks = getattr(backend, "manager", None), getattr(backend, "num_blocks", None)
     spans = getattr(manager, "spans", None)
     if not isinstance(num_blocks, int) or not isinstance(spans, Mapping) or not spans:
         return None
-    return cache_room(dict(spans), num_blocks)
+    banned = _banned(manager)
+    usable = {p: s for p, s in dict(spans).items() if p not in banned}
+    return cache_room(usable, num_blocks) or cache_room(dict(spans), num_blocks)
+
+
+def with_client_view(state: dict[str, Any], backend: Any) -> dict[str, Any]:
+    """``state`` with what this gateway's client knows beyond the DHT: per server row, its ban (seconds left,
+    reason), when it last answered, its recent answer time and whether it is kept while slow (``liveness``);
+    ``unroutable_blocks`` (served by ONLINE servers, none usable: ``/health`` says "unavailable" with
+    ``unroutable_reason``) and the watchdog's resets (``swarm_client.watchdog``)."""
+    manager = getattr(backend, "manager", None)
+    liveness, watchdog = getattr(manager, "liveness", None), getattr(manager, "watchdog", None)
+    rows = state.get("spans")
+    if liveness is None or watchdog is None or not isinstance(rows, list):
+        return state
+    bans = manager.bans
+    out_rows = []
+    for row in rows:
+        peer = row.get("peer_id")
+        extra: dict[str, Any] = dict(liveness.timings(peer))
+        if bans.is_banned(peer):
+            extra["ban"] = {"for_s": round(bans.remaining(peer), 3), "reason": bans.reason(peer)}
+        out_rows.append({**row, **extra})
+    blocks = watchdog.wedged()
+    out = {**state, "spans": out_rows, "unroutable_blocks": blocks, "watchdog": watchdog.as_dict()}
+    if blocks:
+        reasons = sorted({r for p, r in bans.reasons().items() if p in dict(manager.spans)})
+        out["unroutable_reason"] = (
+            f"every ONLINE server of blocks {blocks[0]}..{blocks[-1]} is unusable from this gateway (banned or "
+            f"not answering its ping){': ' + '; '.join(reasons[:3]) if reasons else ''}"
+        )
+    return out
 
 
 class SwarmView:
@@ -156,7 +194,7 @@ class SwarmView:
         else:
             state = self.backend.swarm_state()
         if isinstance(state, dict):
-            state = with_quant(state, self.backend)
+            state = with_client_view(with_quant(state, self.backend), self.backend)
         room = backend_room(self.backend)  # the spans that read just refreshed
         if room is not None and isinstance(state, dict):
             state = {**state, "cache": room.as_dict()}

@@ -90,7 +90,7 @@ class BanList:
     def banned(self, now: float | None = None) -> set[str]:
         """Peers banned at ``now``; pass this to ``find_route(banned=...)``."""
         current = self._now(now)
-        return {peer_id for peer_id, until in self._until.items() if current < until}
+        return {peer_id for peer_id, until in list(self._until.items()) if current < until}  # read off-loop too
 
     def remaining(self, peer_id: str, now: float | None = None) -> float:
         """Seconds ``peer_id`` stays banned (0 when it is not)."""
@@ -102,7 +102,7 @@ class BanList:
 
     def reasons(self, now: float | None = None) -> dict[str, str]:
         """The reasons of the peers banned at ``now``; pass this to ``find_route(why=...)``."""
-        return {p: self._reasons[p] for p in self.banned(now) if p in self._reasons}
+        return {p: r for p in self.banned(now) if (r := self._reasons.get(p)) is not None}
 
     def unban(self, peer_id: str) -> None:
         """Lift the current ban of ``peer_id`` (its failure count, hence the next backoff, stays)."""

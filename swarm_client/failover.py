@@ -103,7 +103,7 @@ async def open_span(
             await wait_for_room(manager, e, start, end, busy_deadline, adapter)
         except (PeerError, RemoteError) as e:
             if getattr(e, "peer_id", None):
-                manager.ban(e.peer_id, str(e))
+                manager.fault(e.peer_id, e)
             if time.monotonic() > deadline:
                 raise
 
@@ -159,7 +159,7 @@ async def replace_span(
             error = e
             await close_all(sessions)
             if getattr(e, "peer_id", None):
-                manager.ban(e.peer_id, str(e))
+                manager.fault(e.peer_id, e)
             await asyncio.sleep(0.1)
 
 

@@ -21,7 +21,7 @@ from typing import Any
 from swarm_client.dht_records import RemoteSpanInfo, ServerState
 from swarm_client.errors import PeerError, PeerTimeout
 
-__all__ = ["Pinger", "covered", "grace", "ping_failure_reason"]
+__all__ = ["Pinger", "connected", "covered", "grace", "ping_failure_reason"]
 
 #: extra time ``settle`` / ``wait`` allow past ``ping_timeout`` (a ping's own timeout ends it first)
 _SLACK = 0.5
@@ -44,15 +44,28 @@ def grace(fastest: float | None, limit: float, factor: float) -> float:
     return limit if fastest is None else min(limit, factor * fastest)
 
 
-def ping_failure_reason(error: PeerError, timeout: float, addrs: Collection[str] = ()) -> str:
-    """Why a peer is banned after its ping failed, as an operator should read it in ``NoRouteError``."""
+def ping_failure_reason(error: PeerError, timeout: float, addrs: Collection[str] = (), connected: bool = False) -> str:
+    """Why a peer is banned after its ping failed, as an operator should read it in ``NoRouteError``;
+    ``connected``: the client held a live connection to it (then a timeout is load, not NAT)."""
     announces = f" (announces {', '.join(addrs)})" if addrs else ""
+    if isinstance(error, PeerTimeout) and connected:
+        return f"did not answer a ping within {timeout:.1f} s on a live connection: overloaded"
     if isinstance(error, PeerTimeout):
         return (
             f"did not answer a ping within {timeout:.1f} s{announces} — it may be behind NAT without a port "
             "forward; its operator should forward the port and pass --public-ip"
         )
     return f"failed a ping{announces}: {error}"
+
+
+async def connected(p2p: Any, peer_id: str) -> bool:
+    """Whether ``p2p``'s daemon holds a live connection to ``peer_id``: a ping that timed out on a connected peer
+    is slowness (a loaded machine), one that never got a connection is a failed dial (NAT, a dead host)."""
+    try:
+        peers = await asyncio.wait_for(p2p.list_peers(), timeout=2.0)
+    except Exception:
+        return False
+    return any(str(info.peer_id) == peer_id for info in peers)
 
 
 class Pinger:
@@ -74,10 +87,18 @@ class Pinger:
         self.ping_grace = ping_grace
         self.ping_grace_factor = ping_grace_factor
         self.tasks: dict[str, asyncio.Task] = {}
+        #: when each ping in flight started (monotonic): a ping far past its timeout is stuck (``stuck``)
+        self.started: dict[str, float] = {}
 
     def pending(self) -> set[str]:
         """Peers whose ping is still in flight."""
-        return {p for p, t in self.tasks.items() if not t.done()}
+        return {p for p, t in list(self.tasks.items()) if not t.done()}  # read off-loop too (/health)
+
+    def stuck(self, timeout: float) -> set[str]:
+        """Peers whose ping has been in flight for longer than ``timeout`` and a little: its own timeout should
+        have ended it (watched by ``watchdog``; a ping that never ends would keep its peer out of routes)."""
+        now = time.monotonic()
+        return {p for p in self.pending() if now - self.started.get(p, now) > timeout + _SLACK}
 
     def start(self, spans: Mapping[str, RemoteSpanInfo], banned: Collection[str]) -> set[str]:
         """Ping every ONLINE, unbanned, unmeasured peer of ``spans`` not being pinged yet; returns the pending."""
@@ -86,7 +107,8 @@ class Pinger:
                 continue
             task = asyncio.get_running_loop().create_task(self._ping(peer, span), name=f"ping {peer}")
             self.tasks[peer] = task
-            task.add_done_callback(lambda _, p=peer: self.tasks.pop(p, None))
+            self.started[peer] = time.monotonic()
+            task.add_done_callback(lambda _, p=peer: (self.tasks.pop(p, None), self.started.pop(p, None)))
         return self.pending()
 
     async def settle(self, spans: Mapping[str, RemoteSpanInfo], banned: Callable[[], Collection[str]]) -> None:
@@ -118,3 +140,4 @@ class Pinger:
         for task in list(self.tasks.values()):
             task.get_loop().call_soon_threadsafe(task.cancel)
         self.tasks.clear()
+        self.started.clear()

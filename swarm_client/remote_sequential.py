@@ -137,7 +137,7 @@ async def _run_span(
             except CALLER_ERRORS:
                 raise
             except (PeerError, RemoteError) as e:
-                manager.ban(hop.peer_id, str(e))
+                manager.fault(hop.peer_id, e)
                 if time.monotonic() > deadline:
                     raise
                 break  # re-route from `position`
@@ -190,7 +190,7 @@ async def _backward_trace(
             raise
         except (PeerError, RemoteError) as e:
             # the server that ran the forward is gone: recompute this hop's backward on another route
-            manager.ban(hop.peer_id, str(e))
+            manager.fault(hop.peer_id, e)
             _, sub_trace, _ = await _run_span(manager, hop.start, hop.end, inputs, prompts=prompts)
             grad, sub_grads = await _backward_trace(manager, sub_trace, grad)
             prompt_grads.extend(sub_grads)

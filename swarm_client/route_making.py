@@ -48,7 +48,8 @@ class RouteMaker:
         self, spans: dict[str, RemoteSpanInfo], start: int, end: int, cache_tokens: int, adapter: str | None = None
     ) -> list[RouteHop]:
         """A route that leaves out peers whose ping is in flight while others can serve their blocks; where only
-        they can, it waits for their pings (``ping_timeout`` at most) and routes again."""
+        they can, it waits for their pings (``ping_timeout`` at most) and routes again, through them if their
+        pings are still in flight then (load is not death: a ping late on a loaded machine proves nothing)."""
         pending = self.pings.start(spans, self.bans.banned())  # also re-measures peers whose ban ran out
         try:
             return self._route_now(spans, start, end, cache_tokens, avoid=pending, adapter=adapter)
@@ -56,7 +57,13 @@ class RouteMaker:
             if not pending:
                 raise
         await self.pings.wait(pending)
-        return self._route_now(spans, start, end, cache_tokens, avoid=self.pings.pending(), adapter=adapter)
+        try:
+            return self._route_now(spans, start, end, cache_tokens, avoid=self.pings.pending(), adapter=adapter)
+        except NoRouteError:
+            if not self.pings.pending():
+                raise
+        # a ping outlived its own timeout (a saturated machine): an unmeasured server beats no route at all
+        return self._route_now(spans, start, end, cache_tokens, adapter=adapter)
 
     async def make_route(
         self, start: int, end: int, cache_tokens_needed: int = 0, adapter: str | None = None

@@ -15,7 +15,8 @@ from hivemind.dht import DHT
 from hivemind.p2p import P2P, PeerID
 from hivemind.proto import runtime_pb2
 
-from swarm_client import protocol, runtime
+from swarm_client import p2p_guard, protocol, runtime
+from swarm_client.bans import Verdict, ban_verdict
 from swarm_client.client_config import (  # noqa: F401 - ClientConfig & co. are imported from here too
     AUTO_GROUPS,
     AUTO_PUSH,
@@ -32,13 +33,15 @@ from swarm_client.dht_records import (
     spans_from_records,
 )
 from swarm_client.errors import PeerError, PeerTimeout
-from swarm_client.pings import Pinger, ping_failure_reason
+from swarm_client.liveness import Liveness
+from swarm_client.pings import Pinger, connected, ping_failure_reason
 from swarm_client.precision import accepts
 from swarm_client.protocol import MAX_PIPELINE_GROUPS
 from swarm_client.route_making import RouteMaker
-from swarm_client.routing import LOCAL_PEER, BanList, RouteHop, effective_throughputs, missing_blocks
+from swarm_client.routing import LOCAL_PEER, BanList, RouteHop, coverage, effective_throughputs, missing_blocks
 from swarm_client.step_bundles import StepBundler
 from swarm_client.step_times import StepTimes
+from swarm_client.watchdog import Watchdog
 
 if TYPE_CHECKING:
     from swarm_client.local_span import LocalSpan
@@ -52,6 +55,8 @@ DHT_BOOTSTRAP_TIMEOUT = 3.0
 #: decode-step throughput servers announce; a prefill's time says little about a server's decode speed)
 TIMED_STEP_TOKENS = 1
 
+#: the background refresh wakes at least this often, for the watchdog (seconds)
+WATCHDOG_PERIOD = 1.0
 
 
 class SequenceManager(RouteMaker):
@@ -96,6 +101,10 @@ class SequenceManager(RouteMaker):
         self.step_times = StepTimes()
         #: blocks this client runs itself (``local_span``): one hop of every route that crosses them
         self.local: LocalSpan | None = None
+        #: when each server last answered, its recent answer time, who is kept while slow (``liveness``)
+        self.liveness = Liveness()
+        #: resets this client's view when every server of a block is banned while ONLINE (``watchdog``)
+        self.watchdog = Watchdog(self)
 
     @property
     def trusted_peers(self) -> list[str]:
@@ -260,7 +269,11 @@ class SequenceManager(RouteMaker):
         period = self.config.update_period
         next_read = self._last_update + period
         while True:
-            await asyncio.sleep(max(next_read - time.monotonic(), 0.05))
+            await asyncio.sleep(min(max(next_read - time.monotonic(), 0.05), WATCHDOG_PERIOD))
+            try:
+                await self.watchdog.check()
+            except Exception:  # the watchdog must never stop the refresh
+                logger.exception("swarm client watchdog failed")
             next_read = self._last_update + period  # a forced read may have come in between
             if time.monotonic() < next_read:
                 continue
@@ -277,9 +290,12 @@ class SequenceManager(RouteMaker):
         t0 = time.perf_counter()
         try:
             await self.info(peer_id, timeout=self.config.ping_timeout)
-        except PeerError as e:
-            self.ban(peer_id, ping_failure_reason(e, self.config.ping_timeout, span.server_info.addrs))
+        except PeerError as e:  # a timeout on a live connection is load (slow); without one, a failed dial
+            slow = isinstance(e, PeerTimeout) and await connected(await self.p2p(), peer_id)
+            reason = ping_failure_reason(e, self.config.ping_timeout, span.server_info.addrs, connected=slow)
+            self.ban(peer_id, reason, slow=slow)
             return
+        self.liveness.answered(peer_id, time.perf_counter() - t0)
         first = self.rtt.setdefault(peer_id, time.perf_counter() - t0)  # a figure set meanwhile (tests) stands
         # that ping also dialed the peer (TCP and security handshakes: 2-3 round trips): a second one, on the open
         # connection, measures the RTT itself (what ``push_pays`` weighs), in the background (routing goes on)
@@ -306,10 +322,44 @@ class SequenceManager(RouteMaker):
             del self._busy_until[peer]
         return set(self._busy_until)
 
-    def ban(self, peer_id: str, reason: str) -> None:
-        seconds = self.bans.ban(peer_id, reason=reason)
+    def ban(self, peer_id: str, reason: str, slow: bool = False) -> bool:
+        """Ban ``peer_id`` for a failure (``bans.BanList``: once per ban window, backoff from its latency);
+        True if it is banned. A ``slow`` failure (a timeout: no evidence of death) of the only usable server
+        of some block bans nothing: the server is noted slow (``/v1/swarm``) and the client waits for it."""
+        holders = dict(enumerate(coverage(self.spans, self.config.num_blocks)))
+        if ban_verdict(peer_id, slow, holders, self.bans.banned()) is Verdict.KEEP_SLOW:
+            note = self.liveness.note_slow(peer_id, reason)
+            logger.info(
+                "peer %s is slow but the only server of some blocks, kept (%d×): %s", peer_id, note.times, reason
+            )
+            return False
+        if self.bans.is_banned(peer_id):
+            return True  # the same failure, seen by another session: one decision per ban window
+        latency = self.liveness.latency(peer_id) or self.rtt.get(peer_id)
+        seconds = self.bans.ban(peer_id, reason=reason, latency=latency)
         self.rtt.pop(peer_id, None)
         logger.warning("banning peer %s for %.1fs: %s", peer_id, seconds, reason)
+        return True
+
+    def fault(self, peer_id: str, error: BaseException) -> bool:
+        """``peer_id`` failed with ``error``: ``ban`` it, as slow when that was a timeout (no evidence of death)."""
+        return self.ban(peer_id, str(error), slow=isinstance(error, PeerTimeout))
+
+    def answered(self, peer_id: str, seconds: float | None = None) -> None:
+        """``peer_id`` answered (a step, an open, a ping): alive, so its ban is lifted and its backoff reset."""
+        self.bans.report_success(peer_id)
+        self.liveness.answered(peer_id, seconds)
+
+    async def renew_p2p_if_dead(self) -> bool:
+        """Open a new p2p client if the current one's unary reader died (``p2p_guard``); True if it did."""
+        if self._p2p is None or p2p_guard.unary_reader_alive(self._p2p):
+            return False
+        old, self._p2p = self._p2p, None
+        self._bundlers.clear()  # their streams ran on the old client
+        with contextlib.suppress(Exception):
+            await old.shutdown()
+        await self.p2p()
+        return True
 
     def missing_blocks(self) -> list[int]:
         """Blocks neither a server nor this client (``local``) runs."""

@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator
 import torch
 
 from swarm_client import capabilities, protocol
+from swarm_client.bans import Verdict, ban_verdict
 from swarm_client.client_config import ClientConfig
 from swarm_client.errors import (
     PeerError,
@@ -24,12 +25,11 @@ from swarm_client.errors import (
 )
 from swarm_client.local_span import LocalSession
 from swarm_client.lora import adapter_field
-from swarm_client.routing import LOCAL_PEER, RouteHop
+from swarm_client.routing import LOCAL_PEER, RouteHop, coverage
 from swarm_client.sequence_manager import SequenceManager
 
 #: steps up to this size travel in step bundles (decode steps); larger ones (prefills) on their own stream
 BUNDLE_MAX_BYTES = 2**18
-
 
 
 def ping_timeout(config: ClientConfig, step_bytes: int) -> float:
@@ -37,6 +37,7 @@ def ping_timeout(config: ClientConfig, step_bytes: int) -> float:
     step's bytes may hold the shared connection on a slow link (``slow_link_bytes_per_s``): over a WAN a long
     prefill's megabyte of activations keeps a ping waiting behind it for seconds, while the server is alive."""
     return config.silent_ping_timeout + max(step_bytes, 0) / config.slow_link_bytes_per_s
+
 
 class _ServerSession:
     """One server's stream: open, step at explicit positions, close (optionally keeping the cache)."""
@@ -98,14 +99,18 @@ class _ServerSession:
         """The next response. A server silent past ``probe_after`` is pinged (while the wait goes on): a refused
         ping (a SIGKILLed worker whose p2p daemon still holds the connection) fails the step at once, and
         ``silent_pings`` pings in a row unanswered within ``silent_ping_timeout`` (a stopped or frozen server,
-        a cut link) fail it as ``PeerTimeout``. A busy server answers pings at once: it waits for its step."""
+        a cut link) fail it as ``PeerTimeout``. A busy server answers pings at once: it waits for its step.
+        Load is not death: a ping may take 4× the server's recent answer time (``liveness``), a missed ping
+        does not count while the server answers other sessions' steps, and the only usable server of some
+        block is never failed for silence — the step waits for it up to ``timeout`` (it is noted slow)."""
         config = self.manager.config
         peer = self.hop.peer_id
         started = time.monotonic()
         deadline, next_probe = started + timeout, started + config.probe_after
         getter = asyncio.ensure_future(self._inbox.get())
         probe: asyncio.Task | None = None
-        misses = 0
+        misses, probed_at, ping_timeout_s = 0, started, 0.0
+        liveness = self.manager.liveness
         try:
             while True:
                 now = time.monotonic()
@@ -119,28 +124,42 @@ class _ServerSession:
                 if probe is not None and probe.done():
                     error, probe = probe.exception(), None
                     if error is None:  # alive (busy): keep waiting, probe again later
+                        liveness.answered(peer, time.monotonic() - probed_at)
                         misses, next_probe = 0, time.monotonic() + config.probe_after
+                    elif isinstance(error, PeerTimeout) and liveness.heard_since(peer, probed_at):
+                        misses, next_probe = 0, time.monotonic() + config.probe_after  # loaded, not gone
                     elif isinstance(error, PeerTimeout):
-                        misses += 1
-                        if misses >= config.silent_pings:
+                        misses, next_probe = misses + 1, time.monotonic()  # ping again at once
+                        if misses >= config.silent_pings and not self._only_server():
                             raise PeerTimeout(
                                 f"server {peer} went silent: no answer to its step for "
                                 f"{time.monotonic() - started:.1f}s, nor to {misses} pings in a row "
-                                f"({ping_timeout(config, self._step_bytes):.2f}s each)",
+                                f"({ping_timeout_s:.2f}s each)",
                                 peer,
                             ) from error
-                        next_probe = time.monotonic()  # ping again at once
+                        if misses >= config.silent_pings:  # the only server of some block: wait, say it is slow
+                            silent = f"silent for {time.monotonic() - started:.1f}s, kept: the only server"
+                            liveness.note_slow(peer, silent)
+                            misses, next_probe = 0, time.monotonic() + config.probe_after
                     else:  # refused: the server process is gone even if its connection lingers
                         raise PeerError(f"server {peer} stopped answering: {error}", peer) from error
                 elif probe is None and time.monotonic() >= next_probe:
-                    allowed = ping_timeout(config, self._step_bytes)
+                    allowed = liveness.allowance(peer, ping_timeout(config, self._step_bytes))
                     ping_timeout_s = min(allowed, max(deadline - time.monotonic(), 0.001))
+                    probed_at = time.monotonic()
                     probe = asyncio.ensure_future(self.manager.info(peer, timeout=ping_timeout_s))
         finally:
             if not getter.done():
                 getter.cancel()
             if probe is not None:
                 probe.cancel()
+
+    def _only_server(self) -> bool:
+        """Whether this server is the only usable one of some of its blocks: silence alone does not fail it
+        then (the client waits, up to the step's timeout; ``bans.ban_verdict``)."""
+        m = self.manager
+        holders = dict(enumerate(coverage(m.spans, m.config.num_blocks)))
+        return ban_verdict(self.hop.peer_id, True, holders, m.bans.banned()) is Verdict.KEEP_SLOW
 
     async def _exchange(self, request, timeout: float, step_id: str | None = None) -> tuple[list[torch.Tensor], dict]:
         """Send ``request`` and return its answer. With ``step_id``, answers to other steps (a pushed copy

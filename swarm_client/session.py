@@ -188,7 +188,7 @@ class InferenceSession:
             # the caller's own mistake first (every server would refuse it), else the first server's failure
             raise next((e for e in errors if isinstance(e, CALLER_ERRORS)), errors[0])
         for hop in hops:
-            self.manager.bans.report_success(hop.peer_id)
+            self.manager.answered(hop.peer_id)
         return sessions
 
     @property
@@ -265,7 +265,7 @@ class InferenceSession:
                     step_id, pushed_to = (uuid.uuid4().hex if push else None), None
                     continue  # retry this index with the replacement hop(s)
                 raise
-            self.manager.bans.report_success(hop.hop.peer_id)
+            self.manager.answered(hop.hop.peer_id)
             pushed_to = chain[0] if step_id is not None and chain else None
             self._history[index].write(position, x)
             if output_hidden_states:
@@ -293,7 +293,7 @@ class InferenceSession:
         if isinstance(error, CacheExhaustedError | SessionTooLongError):  # full, not faulty: move it, ban nobody
             self.manager.mark_busy(failed.hop.peer_id, str(error))
         else:
-            self.manager.ban(failed.hop.peer_id, str(error))
+            self.manager.fault(failed.hop.peer_id, error)
         replay_input = self._history[index].read(position)
         await failed.close(wait=isinstance(error, CacheExhaustedError))  # a failed server's goodbye is not awaited
         del self._hops[index]
@@ -397,4 +397,3 @@ class InferenceSession:
     @property
     def route(self) -> list[RouteHop]:
         return [h.hop for h in self._hops]
-

@@ -4,7 +4,8 @@
 ``/health``'s ``status``: "ok"; "degraded" (still 200: requests are taken, and wait in the gateway's line
 for room) when every block is served but no server of some block has room for a new session right now —
 ``full_blocks`` names them and ``cache`` gives the swarm's KV-cache figures (``gateway/swarm_view.py``);
-"unavailable" (503 + Retry-After) when blocks are missing or the DHT cannot be read.
+"unavailable" (503 + Retry-After) when blocks are missing, when no route can be made (``unroutable_blocks``:
+every ONLINE server of a block is banned by this gateway; ``reason`` says why) or the DHT cannot be read.
 
 ``swarm_state()`` is read for ``missing_blocks`` (list of block indices nobody serves) and, when that key is
 absent, derived from ``num_blocks`` and ``blocks``/``spans`` if present; a backend that says nothing of
@@ -61,19 +62,23 @@ async def health(view: ViewDep, backend: BackendDep, settings: SettingsDep) -> J
             headers=retry,
         )
     missing = missing_blocks(state)
+    unroutable = [int(b) for b in state.get("unroutable_blocks") or []]
     cache = state.get("cache") if isinstance(state.get("cache"), dict) else None
     full = list(cache.get("full_blocks", [])) if cache else []
     body = {
-        "status": "unavailable" if missing else "degraded" if full else "ok",
+        "status": "unavailable" if missing or unroutable else "degraded" if full else "ok",
         "model": backend.model_id,
         "missing_blocks": missing,
     }
+    if unroutable:
+        body["unroutable_blocks"] = unroutable
+        body["reason"] = state.get("unroutable_reason", "no route can be made")
     if "num_blocks" in state:
         body["num_blocks"] = state["num_blocks"]
     if cache is not None:
         body["full_blocks"] = full
         body["cache"] = cache
-    if missing:
+    if missing or unroutable:
         return JSONResponse(body, status_code=503, headers=retry)
     return JSONResponse(body)
 
