@@ -47,6 +47,11 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["Turn"]
 
+#: what a reply's token is taken to weigh when a turn's stored size is estimated before it runs, and what its
+#: output items, usage and ids add
+_REPLY_BYTES_PER_TOKEN = 4
+_ENTRY_OVERHEAD_BYTES = 1024
+
 
 class Turn:
     """One request: its conversation so far, tools, prompt ids, budget and the response objects."""
@@ -116,15 +121,18 @@ class Turn:
                     del turns[first]
         self.conversation = turns
         if self.req.store is not False:
-            self._check_storable(max_entry_bytes)
+            self._check_storable(max_entry_bytes, budget)
         return prompt, budget
 
-    def _check_storable(self, max_entry_bytes: int) -> None:
-        kept = [self.conversation, self.req.instructions, self.req.tools, self.req.text, self.req.metadata]
-        size = len(json.dumps(kept, ensure_ascii=False).encode())
+    def _check_storable(self, max_entry_bytes: int, budget: int) -> None:
+        """A 400 for a turn whose entry would be over ``max_entry_bytes``: the conversation, the response
+        object, and the reply twice (in both) at ``_REPLY_BYTES_PER_TOKEN``."""
+        kept = [self.conversation, dump(self.response("completed"))]
+        size = len(json.dumps(kept, ensure_ascii=False).encode()) + _ENTRY_OVERHEAD_BYTES
+        size += 2 * _REPLY_BYTES_PER_TOKEN * budget
         if size > max_entry_bytes:
             raise InvalidRequestError(
-                f"store: this response would be kept with its conversation, {size} bytes, more than this "
+                f"store: this response would be kept with its conversation, about {size} bytes, more than this "
                 f"gateway keeps of one response ({max_entry_bytes} bytes). Send store: false (and the whole "
                 "conversation as input), or start a new conversation.",
                 param="store",
