@@ -120,6 +120,16 @@ def _messages_tokens(messages: Any, counter: TokenCounter | None) -> int:
     return prompt
 
 
+def _item_text(item: Any) -> Any:
+    """A Responses input item as a message whose content is its text: a message's content, a function
+    call's name and arguments, a call output's output."""
+    if not isinstance(item, dict) or item.get("type") not in ("function_call", "function_call_output"):
+        return item
+    if item["type"] == "function_call":
+        return {"content": f"{item.get('name', '')} {item.get('arguments', '')}"}
+    return {"content": item.get("output")}
+
+
 def _tools_tokens(tools: Any, counter: TokenCounter | None) -> int:
     """Tool definitions go into the prompt too (Open WebUI sends 36 of them, thousands of tokens)."""
     if not counter or not isinstance(tools, list) or not tools:
@@ -166,8 +176,10 @@ def estimate_tokens(
             requested = _non_negative_int(body.get("max_tokens"))
     elif path == RESPONSES_PATH:
         given = body.get("input")
-        prompt, prompts = _messages_tokens(given if isinstance(given, list) else [{"content": given}], counter), 1
+        items = [_item_text(i) for i in given] if isinstance(given, list) else [{"content": given}]
+        prompt, prompts = _messages_tokens(items, counter), 1
         prompt += _text_tokens(body.get("instructions"), counter) if counter else 0
+        prompt += _tools_tokens(body.get("tools"), counter)
         requested = _non_negative_int(body.get("max_output_tokens"))
     else:
         prompt, prompts = _prompt_tokens(body.get("prompt"), counter) if counter else (0, 1)

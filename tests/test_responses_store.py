@@ -7,6 +7,7 @@ response owned by its caller (bearer token, else client address) — anyone else
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import Iterator
 
 import httpx
@@ -125,3 +126,19 @@ def test_open_gateway_responses_belong_to_their_caller(gw: Gateway) -> None:
     with pytest.raises(openai.NotFoundError):
         bob.responses.retrieve(r.id)
     assert alice.responses.retrieve(r.id).id == r.id
+
+
+def test_rate_limit_estimate_counts_tools_and_call_items() -> None:
+    """The TPM estimate of a Responses request counts its tools and its calls' arguments and outputs, as
+    chat's counts tools and messages (gateway/token_estimates.py)."""
+    from gateway.token_estimates import ModelTokenCounter, estimate_tokens
+    from tests.gateway_fixtures import tiny_tokenizer
+
+    counter = ModelTokenCounter(tiny_tokenizer())
+    kw = {"default_max_tokens": 10, "max_context": 100, "max_choices": 4}
+    tools = [{"type": "function", "name": "get_time", "parameters": {"type": "object"}}]
+    call = {"type": "function_call", "call_id": "c", "name": "get_time", "arguments": '{"zone": "UTC"}'}
+    output = {"type": "function_call_output", "call_id": "c", "output": "12:00"}
+    body = {"input": [call, output], "tools": tools, "max_output_tokens": 6}
+    expected = 3 + 2 * 4 + counter.count('get_time {"zone": "UTC"}') + counter.count("12:00") + 6
+    assert estimate_tokens("/v1/responses", body, counter, **kw) == expected + counter.count(json.dumps(tools))
