@@ -354,11 +354,12 @@ class SequenceManager(RouteMaker):
         """Open a new p2p client if the current one's unary reader died (``p2p_guard``); True if it did."""
         if self._p2p is None or p2p_guard.unary_reader_alive(self._p2p):
             return False
-        old, self._p2p = self._p2p, None
+        old = self._p2p
+        # ``DHT.replicate_p2p`` caches its replica (the dead one): a new replica of the same daemon replaces it
+        self._p2p = self.dht._p2p_replica = await P2P.replicate(old._daemon_listen_maddr)
         self._bundlers.clear()  # their streams ran on the old client
         with contextlib.suppress(Exception):
             await old.shutdown()
-        await self.p2p()
         return True
 
     def missing_blocks(self) -> list[int]:
