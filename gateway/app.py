@@ -44,6 +44,8 @@ logger = logging.getLogger(__name__)
 __all__ = ["RequestContextMiddleware", "create_app"]
 
 REQUEST_ID_HEADER = "x-request-id"
+#: the longest start-up waits for the grammar engine's warm-up (gateway/grammar_compile.py) before serving
+GRAMMAR_WARM_UP_WAIT_S = 15.0
 _SAFE_REQUEST_ID = re.compile(r"^[\w.\-:/+=@]{1,128}$")
 
 
@@ -88,6 +90,9 @@ def create_app(backend: ModelBackend, settings: GatewaySettings | None = None) -
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        # the grammar engine's tokenizer is built in a thread since the engine was made; it holds the GIL
+        # ~1 s in one piece, so it finishes before the first request rather than stall its stream
+        await app.state.engine.structured.wait_ready(GRAMMAR_WARM_UP_WAIT_S)
         yield
         app.state.engine.close()
         app.state.swarm_view.close()

@@ -11,6 +11,10 @@ pool and returns a factory of ``GrammarConstraint``s, one per choice; the ``Samp
 masks each step's logits with it before sampling and feeds it each sampled token, in the thread that ran the
 step. EOS is allowed exactly when the grammar accepts; the engine ends a choice with ``"stop"`` once the
 grammar allows nothing more.
+
+Bounded: a schema past the size limits is a 400 before compiling (gateway/schema_limits.py); each mask runs
+under llguidance's parser limits, and one that reaches them ends the choice with a ``GrammarLimitError``;
+the tokenizer is built once, in a thread, when the engine is made (gateway/grammar_compile.py).
 """
 
 from __future__ import annotations
@@ -26,7 +30,20 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from gateway.errors import InvalidRequestError, UnsupportedParameterError
+from gateway.errors import InvalidRequestError
+from gateway.grammar_compile import (
+    GrammarLimitError,
+    allocate_bitmask,
+    compile_lark,
+    compile_schema,
+    fill_bitmask,
+    llguidance_available,
+    make_tokenizer,
+    parser_limits,
+    require_llguidance,
+    warm_up,
+)
+from gateway.schema_limits import check_schema
 
 if TYPE_CHECKING:
     import llguidance
@@ -34,7 +51,6 @@ if TYPE_CHECKING:
 __all__ = ["GrammarConstraint", "StructuredOutputs", "parse_response_format"]
 
 PARAM = "response_format"
-_OPTIONS = {"whitespace_flexible": False}
 
 
 def parse_response_format(response_format: dict[str, Any] | None) -> tuple[str, bool] | None:
@@ -64,118 +80,124 @@ def parse_response_format(response_format: dict[str, Any] | None) -> tuple[str, 
 
 
 class StructuredOutputs:
-    """The engine's grammar compiler: its tokenizer as llguidance sees it (built on first use, ~0.5 s for a
-    50k vocabulary) and a cache of compiled grammars."""
+    """The engine's grammar compiler: its tokenizer as llguidance sees it (built once, in a thread started
+    here: ~0.4 s for a 50k vocabulary, seconds on a loaded machine) and a cache of compiled grammars. All
+    of it runs off the event loop, with bounded cost (gateway/grammar_compile.py, gateway/schema_limits.py)."""
 
-    def __init__(self, tokenizer: Any, eos_ids: Iterable[int], executor: Executor):
+    def __init__(self, tokenizer: Any, eos_ids: Iterable[int], executor: Executor, *, warm: bool = True):
         self._hf_tokenizer = tokenizer
         self.eos_ids = frozenset(eos_ids)
         self.executor = executor
         self._lock = threading.Lock()
         self._tokenizer: llguidance.LLTokenizer | None = None
+        #: set once the warm-up thread is done (or there is none)
+        self.ready = threading.Event()
+        if warm and llguidance_available():
+            threading.Thread(target=warm_up, args=(self,), name="llguidance-warm-up", daemon=True).start()
+        else:
+            self.ready.set()
+
+    async def wait_ready(self, timeout_s: float) -> bool:
+        """Wait (off the loop) at most ``timeout_s`` for the warm-up; whether it is done. The app waits for it
+        before serving: building the tokenizer holds the GIL ~1 s in one piece, which would stall every
+        stream already running."""
+        return await asyncio.to_thread(self.ready.wait, timeout_s)
 
     @property
     def tokenizer(self) -> llguidance.LLTokenizer:
         with self._lock:
             if self._tokenizer is None:
-                import llguidance.hf
-
-                self._tokenizer = llguidance.hf.from_tokenizer(self._hf_tokenizer, n_vocab=len(self._hf_tokenizer))
+                self._tokenizer = make_tokenizer(self._hf_tokenizer)
             return self._tokenizer
 
     async def compile(self, response_format: dict[str, Any] | None) -> Callable[[], GrammarConstraint] | None:
         """A factory of per-choice constraints for ``response_format`` (None: unconstrained text); a schema
-        the engine cannot compile is a 400 naming the problem. The compilation runs in ``executor``."""
+        past the size limits or that the engine cannot compile is a 400 naming the problem. The checks and
+        the compilation run in ``executor``."""
+        if response_format is None or response_format.get("type", "text") == "text":
+            return None
+        require_llguidance(PARAM)
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self.executor, self.compile_sync, response_format)
+
+    def compile_sync(self, response_format: dict[str, Any]) -> Callable[[], GrammarConstraint] | None:
+        """``compile``, in the calling thread."""
         parsed = parse_response_format(response_format)
         if parsed is None:
             return None
-        _require_llguidance(PARAM)
-        loop = asyncio.get_running_loop()
-        grammar = await loop.run_in_executor(self.executor, self._compile, *parsed)
-        return functools.partial(GrammarConstraint, self.tokenizer, grammar, self.eos_ids)
+        spec = response_format.get("json_schema")
+        if isinstance(spec, dict):
+            check_schema(spec.get("schema", {}), PARAM)  # before compiling: a 400 naming the limit
+        grammar, template = self._compile(*parsed)
+        return self._factory(grammar, template, PARAM)
 
     async def compile_lark(self, lark: str, *, param: str) -> Callable[[], GrammarConstraint]:
-        """Like ``compile``, for a grammar in llguidance's Lark syntax (tool calls: gateway/tool_grammar.py);
-        one it cannot compile is a 400 naming ``param``."""
-        _require_llguidance(param)
+        """Like ``compile``, for a grammar in llguidance's Lark syntax (tool calls: gateway/tool_grammar.py;
+        their schemas are checked by the caller, gateway/schema_limits.py); one it cannot compile is a 400
+        naming ``param``."""
+        require_llguidance(param)
         loop = asyncio.get_running_loop()
-        grammar = await loop.run_in_executor(self.executor, self._compile_lark, lark, param)
-        return functools.partial(GrammarConstraint, self.tokenizer, grammar, self.eos_ids)
+        grammar, template = await loop.run_in_executor(self.executor, self._compile_lark, lark, param)
+        return self._factory(grammar, template, param)
+
+    def _factory(self, grammar: str, template: Any, param: str) -> Callable[[], GrammarConstraint]:
+        tokenizer = self._tokenizer  # built: compiling needed it
+        assert tokenizer is not None
+        return functools.partial(GrammarConstraint, tokenizer, grammar, self.eos_ids, template=template, param=param)
 
     @functools.lru_cache(maxsize=64)  # noqa: B019 — one compiler per engine, kept as long as the engine
-    def _compile(self, schema: str, strict: bool) -> str:
-        import llguidance
-
-        options = dict(_OPTIONS) if strict else {**_OPTIONS, "lenient": True}
-        try:
-            grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=options)
-        except (ValueError, TypeError, RuntimeError) as e:
-            raise _invalid("Invalid schema for response_format", [str(e)], PARAM) from None
-        return self._validated(grammar, strict, "Invalid schema for response_format", PARAM)
+    def _compile(self, schema: str, strict: bool) -> tuple[str, Any]:
+        return compile_schema(self.tokenizer, schema, strict, PARAM)
 
     @functools.lru_cache(maxsize=64)  # noqa: B019 — as above
-    def _compile_lark(self, lark: str, param: str) -> str:
-        import llguidance
-
-        try:
-            grammar = llguidance.LLMatcher.grammar_from_lark(lark)
-        except (ValueError, TypeError, RuntimeError) as e:
-            raise _invalid(f"Invalid {param}", [str(e)], param) from None
-        return self._validated(grammar, False, f"Invalid {param}", param)
-
-    def _validated(self, grammar: str, strict: bool, what: str, param: str) -> str:
-        import llguidance
-
-        try:
-            is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, self.tokenizer)
-        except (ValueError, TypeError, RuntimeError) as e:
-            is_error, messages = True, [str(e)]
-        if strict and not is_error and messages:
-            is_error = True  # a keyword we would not enforce: strict promises it is
-        if is_error:
-            raise _invalid(what, messages, param)
-        return grammar
-
-
-def _require_llguidance(param: str) -> None:
-    try:  # an optional dependency: a gateway without it still serves text
-        import llguidance.torch  # noqa: F401
-    except ImportError:
-        raise UnsupportedParameterError(param, "needs the llguidance package, not installed here") from None
-
-
-def _invalid(what: str, messages: list[str], param: str) -> InvalidRequestError:
-    why = "; ".join(m.strip() for m in messages if m.strip()) or "unknown error"
-    return InvalidRequestError(f"{what}: the grammar engine cannot compile it: {why}", param=param)
+    def _compile_lark(self, lark: str, param: str) -> tuple[str, Any]:
+        return compile_lark(self.tokenizer, lark, param)
 
 
 class GrammarConstraint:
     """One choice's position in its grammar. ``mask`` and ``consume`` run in the engine's worker threads;
     the matcher itself is made on first use there too (the ``Sampler`` is made on the event loop)."""
 
-    def __init__(self, tokenizer: llguidance.LLTokenizer, grammar: str, eos_ids: frozenset[int]):
+    def __init__(
+        self,
+        tokenizer: llguidance.LLTokenizer,
+        grammar: str,
+        eos_ids: frozenset[int],
+        *,
+        template: llguidance.LLMatcher | None = None,
+        param: str = PARAM,
+    ):
         self._tokenizer = tokenizer
         self._grammar = grammar
         self._eos_ids = eos_ids
+        #: the compiled matcher at the grammar's start, copied on first use (StructuredOutputs made it)
+        self._template = template
+        #: the request parameter the grammar came from, for the error that ends a choice
+        self._param = param
         self._matcher: llguidance.LLMatcher | None = None
         self._bitmask: torch.Tensor | None = None
 
     @property
     def matcher(self) -> llguidance.LLMatcher:
         if self._matcher is None:
-            import llguidance.torch
+            import llguidance
 
-            self._matcher = llguidance.LLMatcher(self._tokenizer, self._grammar)
-            self._bitmask = llguidance.torch.allocate_token_bitmask(1, self._tokenizer.vocab_size)
+            if self._template is not None:
+                self._matcher = self._template.deep_copy()
+            else:
+                self._matcher = llguidance.LLMatcher(
+                    self._tokenizer, self._grammar, log_level=0, limits=parser_limits()
+                )
+            self._bitmask = allocate_bitmask(self._tokenizer.vocab_size)
         return self._matcher
 
     def mask(self, logits: torch.Tensor) -> torch.Tensor:
         """``logits [vocab]`` (a copy the caller owns) with every token the grammar forbids at -inf."""
-        import llguidance.torch
-
         matcher = self.matcher
         assert self._bitmask is not None  # allocated with the matcher
-        llguidance.torch.fill_next_token_bitmask(matcher, self._bitmask, 0)
+        fill_bitmask(matcher, self._bitmask)
+        if matcher.is_error():  # a limit of PARSER_LIMITS reached: end the choice, saying so
+            raise GrammarLimitError(self._param, matcher.get_error())
         # bitmask [1, ceil(n / 32)] int32 → allowed [n] bool, without llguidance's own apply (it goes through
         # torch.compile: seconds on first use, and a C compiler at run time)
         bits = np.unpackbits(self._bitmask[0].numpy().view(np.uint8), bitorder="little")  # little-endian words
@@ -193,7 +215,7 @@ class GrammarConstraint:
         if token_id in self._eos_ids:
             return
         if not self.matcher.consume_token(token_id):
-            raise RuntimeError(f"the grammar rejected token {token_id}: {self.matcher.get_error()}")
+            raise GrammarLimitError(self._param, f"at token {token_id}: {self.matcher.get_error()}")
 
     def accepted_prefix(self, token_ids: Sequence[int]) -> int:
         """How many of ``token_ids`` the grammar accepts one after another from here, its state unchanged
