@@ -49,6 +49,14 @@ class PromptTooLongError(ContextLengthExceededError):
         )
 
 
+def _prediction_too_long(tokens: str, chars: int, limit: int) -> InvalidRequestError:
+    return InvalidRequestError(
+        f"prediction: its content is {tokens} tokens ({chars} characters), more than the model's context "
+        f"window ({limit}); send the part of it the answer may repeat.",
+        param="prediction",
+    )
+
+
 def eos_token_ids(backend: ModelBackend) -> frozenset[int]:
     """The tokenizer's EOS and the model's generation_config EOS ids (chat models often end on a turn
     token such as ``<|im_end|>`` that only the generation config names). A backend may expose
@@ -169,14 +177,17 @@ class PromptRules:
     # ----------------------------------------------------------------- on the tokenize thread (tokenize.run)
 
     def prediction_ids_sync(self, text: str) -> list[int]:
-        ids = self.tokenize.own()(text, add_special_tokens=False)["input_ids"]
-        if len(ids) > self.backend.max_context:
-            raise InvalidRequestError(
-                f"prediction: its content is {len(ids)} tokens, more than the model's context window "
-                f"({self.backend.max_context}); send the part of it the answer may repeat.",
-                param="prediction",
-            )
-        return [int(i) for i in ids]
+        """A prediction longer than the context window is a 400; like a prompt's, one of megabytes is
+        refused on the count of its beginning (``tokens_past``: milliseconds, where tokenizing 8 MiB whole
+        held this thread, and every other request's prompt behind it, for a minute and a half)."""
+        tokenizer, limit = self.tokenize.own(), self.backend.max_context
+        past = tokens_past(tokenizer, text, limit, add_special_tokens=False)
+        if past is not None:
+            raise _prediction_too_long(f"more than {past}", len(text), limit)
+        count, ids = encode_lazily(tokenizer, text, add_special_tokens=False)
+        if count > limit:
+            raise _prediction_too_long(str(count), len(text), limit)
+        return ids()
 
     def special_token_id_sync(self, text: str) -> int | None:
         tokenizer = self.tokenize.own()
