@@ -20,7 +20,24 @@ from swarm_client.dht_records import RemoteSpanInfo
 from swarm_client.lora import check_adapter_name
 from swarm_client.routing import missing_blocks
 
-__all__ = ["ServedModel", "parse_adapter_aliases", "served_adapters", "served_models", "select_model"]
+__all__ = [
+    "ServedModel",
+    "parse_adapter_aliases",
+    "public_model_id",
+    "served_adapters",
+    "served_models",
+    "select_model",
+]
+
+
+def public_model_id(model_id: str) -> str:
+    """The name the gateway shows for a served model: ``model_id`` itself when it is a name (a hub id such
+    as ``HuggingFaceTB/SmolLM2-135M-Instruct``, or the name the operator gave), its directory's name when it
+    is a filesystem path (``/srv/models/tiny-llama`` → ``tiny-llama``). A path says how the machine is laid
+    out (user names, mounts): no answer to a client carries one."""
+    trimmed = model_id.rstrip("/\\")
+    looks_like_path = os.path.isabs(trimmed) or trimmed.startswith((".", "~")) or os.path.exists(trimmed)
+    return (os.path.basename(trimmed) or trimmed) if looks_like_path else model_id
 
 
 def served_adapters(spans: Mapping[str, RemoteSpanInfo], num_blocks: int) -> list[str]:

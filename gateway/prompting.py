@@ -21,7 +21,7 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
-from gateway.adapters import ServedModel, parse_adapter_aliases, select_model, served_models
+from gateway.adapters import ServedModel, parse_adapter_aliases, public_model_id, select_model, served_models
 from gateway.backend import AdapterBackend, ModelBackend
 from gateway.detokenize import TokenVocab
 from gateway.errors import ContextLengthExceededError, InvalidRequestError, ModelNotFoundError
@@ -92,7 +92,8 @@ class PromptRules:
 
     @property
     def model_id(self) -> str:
-        return self.backend.model_id
+        """The served model's public name (never a filesystem path: gateway/adapters.py)."""
+        return public_model_id(self.backend.model_id)
 
     async def served_models(self) -> list[ServedModel]:
         """The base model, then each LoRA adapter the backend can run now (``BASE:NAME``) and its aliases.
@@ -103,13 +104,21 @@ class PromptRules:
                 adapters = await asyncio.to_thread(self.backend.served_adapters)
             except Exception as exc:
                 logger.warning("could not read the served adapters: %s", exc)
-        return served_models(self.backend.model_id, adapters, self.adapter_aliases)
+        return served_models(self.model_id, adapters, self.adapter_aliases)
 
     async def select_model(self, requested: str | None) -> ServedModel:
         """The served model the request's ``model`` names (None: the base model), a 404 ``model_not_found``
-        listing those that exist otherwise. The base model's names need no look at the swarm."""
+        listing those that exist otherwise. The base model's names need no look at the swarm. The backend's
+        own id (a path) still names it, as before, though no answer shows it."""
+        private, public = self.backend.model_id, self.model_id
+        if (
+            requested is not None
+            and private != public
+            and (requested == private or requested.startswith(private + ":"))
+        ):
+            requested = public + requested[len(private) :]
         try:
-            return select_model(requested, [ServedModel(self.backend.model_id)])
+            return select_model(requested, [ServedModel(public)])
         except ModelNotFoundError:
             if not isinstance(self.backend, AdapterBackend):
                 raise

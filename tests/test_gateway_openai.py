@@ -29,7 +29,7 @@ def test_chat_completion(gw, client):
     r = client.chat.completions.create(model=gw.model, messages=HELLO, max_tokens=12, temperature=0)
     assert r.object == "chat.completion"
     assert r.id.startswith("chatcmpl-")
-    assert r.model == gw.backend.model_id
+    assert r.model == gw.model  # the directory's name: never the path (issue 35)
     (choice,) = r.choices
     assert choice.message.role == "assistant"
     assert isinstance(choice.message.content, str)
@@ -48,7 +48,7 @@ def test_full_model_id_and_developer_role_and_content_parts(gw, client):
     r = client.chat.completions.create(
         model=gw.backend.model_id, messages=messages, max_tokens=4, temperature=0, logprobs=True
     )
-    assert r.model == gw.backend.model_id
+    assert r.model == gw.model  # the path still names the model; the answer shows its name only
     # the developer message is the system prompt and the parts are one user text: exactly this prompt (its
     # token count, and every logprob of the reply, which depends on each prompt token)
     rendered = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Tell me\nmore."}]
@@ -219,8 +219,8 @@ def test_completions_echo_and_legacy_logprobs(gw, client):
 
 def test_models_endpoints(gw, client):
     models = client.models.list()
-    assert [m.id for m in models.data] == [gw.backend.model_id]
-    assert client.models.retrieve(gw.backend.model_id).id == gw.backend.model_id
+    assert [m.id for m in models.data] == [gw.model]
+    assert client.models.retrieve(gw.backend.model_id).id == gw.model
     assert client.models.retrieve(gw.model).owned_by == "swarmserve"
 
 

@@ -20,6 +20,7 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse
 
+from gateway.adapters import public_model_id
 from gateway.errors import ServiceUnavailableError
 from gateway.routes.deps import BackendDep, SettingsDep
 from gateway.swarm_view import STATE_MAX_AGE_S, SwarmView
@@ -53,11 +54,13 @@ ViewDep = Annotated[SwarmView, Depends(_view)]
 @router.get("/health")
 async def health(view: ViewDep, backend: BackendDep, settings: SettingsDep) -> JSONResponse:
     retry = {"Retry-After": str(settings.retry_after_s)}
+    model = public_model_id(backend.model_id)  # never a filesystem path
     try:
         state = await view.get()
     except Exception as exc:  # a DHT that cannot be read is a swarm we cannot vouch for
+        error = f"{type(exc).__name__}: {exc}".replace(backend.model_id, model)
         return JSONResponse(
-            {"status": "unavailable", "model": backend.model_id, "error": f"{type(exc).__name__}: {exc}"},
+            {"status": "unavailable", "model": model, "error": error},
             status_code=503,
             headers=retry,
         )
@@ -67,7 +70,7 @@ async def health(view: ViewDep, backend: BackendDep, settings: SettingsDep) -> J
     full = list(cache.get("full_blocks", [])) if cache else []
     body = {
         "status": "unavailable" if missing or unroutable else "degraded" if full else "ok",
-        "model": backend.model_id,
+        "model": model,
         "missing_blocks": missing,
     }
     if unroutable:
@@ -94,4 +97,6 @@ async def swarm(view: ViewDep, settings: SettingsDep) -> JSONResponse:
             code="swarm_unavailable",
             retry_after_s=settings.retry_after_s,
         ) from exc
+    if isinstance(state.get("model"), str):  # the backend's id may be a path: shown by its name
+        state = {**state, "model": public_model_id(state["model"])}
     return JSONResponse(state)
