@@ -46,6 +46,8 @@ sys.path.insert(0, str(ROOT))
 
 import httpx  # noqa: E402
 
+from load_tests.chaos_pressure import BanRecorder, CpuBurn  # noqa: E402
+from load_tests.chaos_report import markdown  # noqa: E402
 from load_tests.loadgen import PROMPTS, RequestResult, _one_request, percentile, prompt_index  # noqa: E402
 from load_tests.served_swarm import OFFLINE, ServedSwarm, eos_logit_bias, resolve_model  # noqa: E402
 from swarmserve.launcher import LocalSwarm, WorkerProcess, split_blocks, wait_ready  # noqa: E402
@@ -248,16 +250,23 @@ async def run(swarm: ReplicatedSwarm, args: argparse.Namespace) -> dict[str, Any
                 i += 1
 
         say(f"chaos: {args.streams} streams for {args.duration:.0f}s, kill every {args.kill_every:.0f}s")
-        killer = asyncio.create_task(chaos.killer(t0))
-        await asyncio.gather(*(stream(s) for s in range(args.streams)))
-        wall = time.perf_counter() - t0
-        await killer
-        if chaos.restart is not None:  # the last replacement's recovery times (unless --final-wait 0)
-            try:
-                await asyncio.wait_for(asyncio.shield(chaos.restart), args.final_wait)
-            except (TimeoutError, InterruptedError):
-                chaos.stop.set()
-                await asyncio.gather(chaos.restart, return_exceptions=True)
+        recorder = BanRecorder().attach()  # the in-process gateway client's ban decisions
+        with CpuBurn(args.cpu_burn) as burn:
+            killer = asyncio.create_task(chaos.killer(t0))
+            await asyncio.gather(*(stream(s) for s in range(args.streams)))
+            wall = time.perf_counter() - t0
+            await killer
+            if chaos.restart is not None:  # the last replacement's recovery times (unless --final-wait 0)
+                try:
+                    await asyncio.wait_for(asyncio.shield(chaos.restart), args.final_wait)
+                except (TimeoutError, InterruptedError):
+                    chaos.stop.set()
+                    await asyncio.gather(chaos.restart, return_exceptions=True)
+            # afterwards, still under the same load: does the gateway serve normally (no wedge)?
+            after = [RequestResult(0, i, i % len(prompts), 0.0) for i in range(args.after_requests)]
+            t_after = time.perf_counter()
+            await asyncio.gather(*(_one_request(client, bodies[r.prompt_index], r, t_after) for r in after))
+        recorder.detach()
 
     for kill in chaos.kills:
         kill.stalls_s = [round(x, 4) for x in stalls_at(kill.at_s, done)]
@@ -295,43 +304,25 @@ async def run(swarm: ReplicatedSwarm, args: argparse.Namespace) -> dict[str, Any
         "per_kill": [asdict(k) for k in chaos.kills],
         "references": reference,
         "gateway_open_sessions_after": swarm.backend.open_sessions,
-        "passed": not failed and not mismatched and bool(chaos.kills) and bool(done),
+        "cpu": burn.as_dict(),
+        "bans": (bans := recorder.summary({k.victim_peer for k in chaos.kills if k.victim_peer})),
+        "after": (
+            after_ok := {
+                "requests": len(after),
+                "ok": sum(r.ok for r in after),
+                "texts_equal": all(r.text == reference[r.prompt_index] for r in after if r.ok),
+                "slowest_s": round(max((r.end_s - r.start_s for r in after), default=0.0), 3),
+                "errors": sorted({r.error or "" for r in after if not r.ok})[:5],
+            }
+        ),
+        "passed": not failed
+        and not mismatched
+        and bool(chaos.kills)
+        and bool(done)
+        and bans["healthy_escalations"] == 0
+        and after_ok["ok"] == len(after)
+        and after_ok["texts_equal"],
     }
-
-
-def markdown(report: Mapping[str, Any]) -> str:
-    m = report["meta"]
-    verdict = "PASSED" if report["passed"] else "FAILED"
-    lines = [
-        f"# Chaos: {m['model']}, {m['streams']} streams, {m['duration_s']:.0f} s, "
-        f"SIGKILL every {m['kill_every_s']:.0f} s",
-        "",
-        f"**{verdict}** — {report['requests']} requests, **{report['failed']} failed**, "
-        f"**{report['mismatched']} texts differing** from the fault-free greedy reference; {report['kills']} kills "
-        f"of a replica of span {m['replicated_span']} ({m['replicas']} replicas; spans {m['spans']}); "
-        f"{report['completion_tokens']} tokens, {report['tokens_per_s']} tok/s, ITL p50/p99 "
-        f"{report['itl_p50_ms']}/{report['itl_p99_ms']} ms. {m['cpu_count']} CPU(s); load average "
-        f"{m['loadavg_start']} at start, {m['loadavg_end']} at end.",
-        "",
-        "| | median (s) | max (s) |",
-        "|---|---:|---:|",
-    ]
-    for key, name in (("stall", "stall of the streams in flight at the kill"),
-                      ("restart_ready", "kill → replacement worker ready"),
-                      ("restart_routable", "kill → replacement in the gateway's view")):  # fmt: skip
-        lines.append(f"| {name} | {report[key]['median_s']} | {report[key]['max_s']} |")
-    lines += ["", "| kill | at (s) | victim | its sessions | in flight | stall (s) | ready (s) | routable (s) "
-              "| held back (s) |", "|---:|---:|---|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
-    for k in report["per_kill"]:
-        lines.append(
-            f"| {k['index']} | {k['at_s']:.1f} | {k['victim']} | {k['victim_sessions']} | {k['in_flight']} "
-            f"| {k['stall_s']} | {k['restart_ready_s']} | {k['restart_routable_s']} | {k['waited_for_restart_s']} |"
-        )
-    lines += ["", "Stall: the longest gap between two content events (send, or a content chunk) of a request "
-              "straddling the kill, over all requests in flight then (it includes the normal step time and "
-              "the CPU the restarting worker takes)."]  # fmt: skip
-    lines += [f"- error: {e}" for e in report["error_samples"]]
-    return "\n".join(lines) + "\n"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -353,6 +344,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--final-wait", type=float, default=600.0,
         help="after the streams end, wait this long for the last replacement to be ready (0: do not)",
     )  # fmt: skip
+    p.add_argument("--cpu-burn", type=int, default=0, help="busy processes beside the swarm (issue 35: load ≥ 10)")
+    p.add_argument("--after-requests", type=int, default=4, help="requests sent once the chaos is over")
     p.add_argument("--out", type=Path, default=ROOT / "bench_results" / "chaos.json")
     args = p.parse_args(argv)
     if args.replicas < 2:

@@ -41,3 +41,25 @@ def test_chaos_script_survives_a_replica_kill_with_exact_texts(tmp_path) -> None
     assert kill["in_flight"] >= 1 and kill["stall_s"] is not None
     assert len(set(report["references"])) > 1  # the prompts lead to different texts
     assert out.with_suffix(".md").read_text().startswith("# Chaos")
+
+
+@pytest.mark.timeout(420)
+def test_chaos_under_a_saturated_cpu_bans_no_live_server_and_serves_afterwards(tmp_path) -> None:
+    """Issue 35 in miniature: 4 streams, two SIGKILLs of a replica, busy processes beside the swarm. No request
+    fails, no live server is banned twice (one backoff at most), and the gateway answers afterwards."""
+    out = tmp_path / "chaos-load.json"
+    argv = ["--streams", "4", "--duration", "30", "--kill-every", "12", "--final-wait", "120", "--cpu-burn", "2"]
+    argv += ["--after-requests", "4", "--out", str(out)]
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "load_tests" / "chaos.py"), *argv],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["failed"] == 0 and report["mismatched"] == 0 and report["kills"] == 2
+    assert report["bans"]["healthy_escalations"] == 0, report["bans"]
+    assert report["after"]["ok"] == report["after"]["requests"] == 4 and report["after"]["texts_equal"]
+    assert report["cpu"]["processes"] == 2
