@@ -12,7 +12,8 @@
     │   │   └── SessionAccessError the session exists but the caller may not use it (no capability)
     │   ├── SessionTooLongError  the session's max_length is more than this server can ever hold
     │   └── CacheExhaustedError the server's KV-cache budget cannot fit the request
-    │       └── ServerBusyError  full for now (sessions or cache), with how much is free: not a fault
+    │       ├── ServerBusyError  full for now (sessions or cache), with how much is free: not a fault
+    │       └── SessionEvictedError a full server took this idle session's cache back: re-open it
     ├── SwarmBusyError          every server that could serve a span is full right now
     └── SessionLost             failover gave up (deadline passed, no replacement)
 
@@ -123,6 +124,14 @@ class ServerBusyError(CacheExhaustedError):
     code = "server_busy"
 
 
+class SessionEvictedError(CacheExhaustedError):
+    """A full server took this session's cache back for a peer within its share of the cache (the session's
+    holder was over its own, and the session idle). Like any full server, not a fault: the client routes the
+    span anew (replaying its history) without banning the server."""
+
+    code = "session_evicted"
+
+
 _BY_CODE: dict[str, type[RemoteError]] = {
     cls.code: cls
     for cls in (
@@ -135,6 +144,7 @@ _BY_CODE: dict[str, type[RemoteError]] = {
         SessionTooLongError,
         CacheExhaustedError,
         ServerBusyError,
+        SessionEvictedError,
     )
 }
 

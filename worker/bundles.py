@@ -19,7 +19,13 @@ from hivemind.p2p import P2PContext
 from hivemind.proto import runtime_pb2
 
 from swarm_client import protocol
-from swarm_client.errors import InvalidInputError, RemoteError, SessionNotFoundError, error_to_wire
+from swarm_client.errors import (
+    InvalidInputError,
+    RemoteError,
+    SessionEvictedError,
+    SessionNotFoundError,
+    error_to_wire,
+)
 from swarm_client.protocol import MAX_BUNDLE_STEPS, MAX_BUNDLES_IN_FLIGHT
 from worker.inference import InferenceStreams
 from worker.wire import internal_error, wire_error
@@ -58,6 +64,8 @@ class StepBundles(InferenceStreams):
         try:
             session_id = step.get("session_id")
             cache = self.caches.sessions.get(session_id) if isinstance(session_id, str) else None
+            if cache is None and session_id in self.caches.evicted_ids and self.holds_stream(session_id):
+                raise SessionEvictedError(f"session {session_id[:80]!r} was evicted to make room; open it again")
             if cache is None or not self.holds_stream(session_id) or cache.owner != owner:
                 raise SessionNotFoundError(
                     f"no open inference stream of yours holds session {str(session_id)[:80]!r} here; "

@@ -7,7 +7,11 @@ for many concurrent sessions. Sessions whose stream ended can be kept *detached*
 seconds so a later stream resumes them; detached sessions are evicted LRU when space is needed.
 
 Abuse limits: at most ``max_sessions_per_peer`` attached sessions per remote peer and ``max_sessions``
-sessions in all (detached ones are evicted first). Being full is answered with a typed ``ServerBusyError``
+sessions in all (detached ones are evicted first). Tokens count against a *holder* (the caller's address;
+``worker.cache_policy``): a holder beyond its ``peer_share`` of the cache keeps the excess only until a holder
+within its share needs room — then its idle sessions are evicted (``evict``: the stream's next step gets
+``SessionEvictedError``), and streams idle past ``idle_limit`` close sooner while the cache is nearly full.
+Being full is answered with a typed ``ServerBusyError``
 saying what is free (clients route elsewhere and never ban a full server); a session that could never fit
 (``max_length`` over the whole budget) with ``SessionTooLongError``. Nothing here runs on a timer: the server calls
 ``expire()`` periodically so detached sessions go even when no request arrives.
@@ -17,7 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -28,12 +32,16 @@ from swarm_client.errors import (
     InvalidInputError,
     ServerBusyError,
     SessionAccessError,
+    SessionEvictedError,
     SessionNotFoundError,
     SessionTooLongError,
 )
 from swarm_client.families import CacheLayout
+from worker.cache_policy import Holding, choose_victims, idle_limit
 
 MIN_CAPACITY = 64
+#: evicted session ids remembered, so a bundled step for one is told why it is gone
+REMEMBERED_EVICTIONS = 4096
 
 
 @dataclass(eq=False)
@@ -62,6 +70,9 @@ class SessionCache:
     adapter: str | None = None
     #: the client's pipeline group (worker/batcher.py batches one group at a time); None: no group
     batch_group: int | None = None
+    #: whom its tokens count against (``worker.cache_policy.holder_of``); set when evicted to make room
+    holder: str = ""
+    evicted: bool = False
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
     @property
@@ -86,6 +97,10 @@ class CacheManager:
         session_ttl: float = 0.0,
         max_sessions_per_peer: int = 64,
         max_sessions: int = 4096,
+        peer_share: float = 1.0,
+        evict_idle_after: float = 2.0,
+        pressure_idle_timeout: float = 30.0,
+        pressure_free: float = 0.1,
     ):
         self.max_tokens = max_tokens
         self.num_layers = num_layers
@@ -99,6 +114,13 @@ class CacheManager:
         self.used_slots = 0
         #: attached sessions per owner peer (kept in step with ``sessions``: counting them is O(n) per open)
         self._owned: Counter[str] = Counter()
+        self.peer_share = peer_share
+        self.evict_idle_after = evict_idle_after
+        self.pressure_idle_timeout = pressure_idle_timeout
+        self.pressure_free = pressure_free
+        #: sessions evicted for another holder's room: how many, and the latest ids
+        self.evictions = 0
+        self.evicted_ids: OrderedDict[str, None] = OrderedDict()
 
     @property
     def tokens_left(self) -> int:
@@ -115,8 +137,10 @@ class CacheManager:
         max_length: int,
         owner: str | None = None,
         num_layers: int | None = None,
+        holder: str | None = None,
     ) -> SessionCache:
-        """Register a new attached session (no memory yet beyond the first small chunk)."""
+        """Register a new attached session (no memory yet beyond the first small chunk); its tokens count
+        against ``holder`` (default: ``owner``)."""
         if session_id in self.sessions:
             raise InvalidInputError(f"session {session_id!r} already exists on this server; resume it instead")
         self._check_fits(batch_size, max_length)
@@ -125,6 +149,7 @@ class CacheManager:
         layers = self.num_layers if num_layers is None else num_layers
         cache = SessionCache(session_id, batch_size, max_length, layers, self.layout, self.dtype, self.device)
         cache.creator = owner
+        cache.holder = holder or owner or ""
         self.sessions[session_id] = cache
         self._attach(cache, owner)
         try:
@@ -189,6 +214,7 @@ class CacheManager:
         owner: str | None = None,
         max_length: int | None = None,
         resume_token: object = None,
+        holder: str | None = None,
     ) -> SessionCache:
         """Re-attach a detached session; a larger ``max_length`` raises its cap (a conversation's next turn
         may be longer than the first request asked for) if the budget could ever hold it.
@@ -219,6 +245,7 @@ class CacheManager:
         if max_length is not None and max_length > cache.max_length:
             cache.max_length = max_length
         self._attach(cache, owner)
+        cache.holder = holder or owner or cache.holder
         cache.touch()
         return cache
 
@@ -230,7 +257,7 @@ class CacheManager:
             raise InvalidInputError(f"{length} tokens exceed the session's max_length {cache.max_length}")
         new_capacity = min(cache.max_length, max(length, 2 * cache.capacity, MIN_CAPACITY))
         extra = (new_capacity - cache.capacity) * cache.batch_size
-        self._make_room(extra, exclude=cache)
+        self._make_room(extra, exclude=cache, holder=cache.holder)
         shape = (cache.batch_size, self.layout.num_kv_heads, new_capacity, self.layout.head_dim)
         new_kv = []
         for layer in range(cache.num_layers):
@@ -245,7 +272,7 @@ class CacheManager:
         self.used_slots += extra
         cache.capacity = new_capacity
 
-    def _make_room(self, slots: int, exclude: SessionCache | None = None) -> None:
+    def _make_room(self, slots: int, exclude: SessionCache | None = None, holder: str = "") -> None:
         self.expire()
         if self.tokens_left >= slots:
             return
@@ -257,15 +284,59 @@ class CacheManager:
             self.free(victim.session_id)
             if self.tokens_left >= slots:
                 return
+        self._reclaim(slots, holder, exclude)
+        if self.tokens_left >= slots:
+            return
         needed, left = slots, self.tokens_left
         total = self.max_tokens
         raise self._busy("cache", f"server cache is full: {needed} token slots needed, {left} free of {total}")
 
-    def release(self, session_id: str, keep: bool) -> None:
-        """End a stream's hold on a session: keep it detached for the TTL, or free it now."""
+    def _reclaim(self, slots: int, holder: str, exclude: SessionCache | None) -> None:
+        """Evict idle sessions of holders over their share, if ``holder`` is within its own (cache_policy)."""
+        now = time.monotonic()
+        held = [
+            Holding(s.session_id, s.holder, s.slots, now - s.last_used, s.lock.locked())
+            for s in self.sessions.values()
+            if s is not exclude
+        ]
+        if exclude is not None:
+            held.append(Holding(exclude.session_id, exclude.holder, exclude.slots, 0.0, True))
+        share = int(self.peer_share * self.max_tokens)
+        for session_id in choose_victims(held, holder, slots, slots - self.tokens_left, share, self.evict_idle_after):
+            self.evict(session_id)
+
+    def evict(self, session_id: str) -> None:
+        """Take a session's cache away for someone else's room: its stream's next step is refused with
+        ``SessionEvictedError`` (``check_not_evicted``), and its client re-opens it elsewhere."""
         cache = self.sessions.get(session_id)
         if cache is None:
             return
+        self.free(session_id)
+        cache.evicted = True
+        self.evictions += 1
+        self.evicted_ids[session_id] = None
+        if len(self.evicted_ids) > REMEMBERED_EVICTIONS:
+            self.evicted_ids.popitem(last=False)
+
+    def check_not_evicted(self, cache: SessionCache) -> None:
+        if cache.evicted:
+            raise SessionEvictedError(
+                f"session {cache.session_id[:80]!r} was evicted to make room for other peers (the server was full "
+                "and its holder over its share of the cache); open it again, here later or elsewhere"
+            )
+
+    def idle_limit(self, idle_timeout: float) -> float:
+        """How long a stream may sit idle now (shorter while the cache is nearly full; cache_policy)."""
+        free, total = self.tokens_left, self.max_tokens
+        return idle_limit(idle_timeout, self.pressure_idle_timeout, free, total, self.pressure_free)
+
+    def release(self, session_id: str, keep: bool, cache: SessionCache | None = None) -> None:
+        """End a stream's hold on a session: keep it detached for the TTL, or free it now (``cache``: only if
+        the id still names that session — an evicted one's id may have been opened again)."""
+        held = self.sessions.get(session_id)
+        if held is None or (cache is not None and held is not cache):
+            return
+        cache = held
         if keep and self.session_ttl > 0:
             self._detach(cache)
             cache.touch()
@@ -296,4 +367,5 @@ class CacheManager:
             "cache_tokens_left": self.tokens_left,
             "sessions_attached": sum(1 for s in self.sessions.values() if s.attached),
             "sessions_detached": sum(1 for s in self.sessions.values() if not s.attached),
+            "sessions_evicted": self.evictions,
         }

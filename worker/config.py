@@ -9,7 +9,7 @@ from swarm_client.protocol import MAX_STEP_TOKENS
 from worker.message_cap import DEFAULT_MAX_MESSAGE_BYTES
 from worker.uploads import DEFAULT_UPLOAD_BUDGET
 
-__all__ = ["WorkerConfig", "announce_list"]
+__all__ = ["WorkerConfig", "announce_list", "cache_settings"]
 
 
 @dataclass
@@ -46,6 +46,13 @@ class WorkerConfig:
     max_sessions_per_peer: int = 1024
     #: sessions of all peers together (detached ones are evicted first)
     max_sessions: int = 4096
+    #: share of the cache one holder (caller IP; peer id on loopback) is sure of; beyond it, its idle sessions
+    #: are evicted when a holder within its share needs room (worker/cache_policy.py); 1.0: never
+    peer_cache_share: float = 0.25
+    #: a session not stepped for this long is idle (evictable beyond its holder's share)
+    evict_idle_after: float = 2.0
+    #: idle timeout of a stream while less than 10% of the cache is free
+    pressure_idle_timeout: float = 30.0
     #: one serialized tensor may not exceed this (checked on the wire, before deserializing)
     max_tensor_bytes: int = 256 * 2**20
     #: one inference step may carry at most this many tokens (batch × length; clients split prefills)
@@ -76,3 +83,15 @@ def announce_list(cfg: WorkerConfig) -> list[str]:
         raise ValueError("public_ip needs a fixed port (the one forwarded to this server), not 0")
     ip = cfg.public_ip and f"/ip{6 if ':' in cfg.public_ip else 4}/{cfg.public_ip}/tcp/{cfg.port}"
     return list(cfg.announce_maddrs) + ([ip] if ip else [])
+
+
+def cache_settings(cfg: WorkerConfig) -> dict:
+    """``CacheManager`` keywords from the config (all but the budget and the span's shape)."""
+    return {
+        "session_ttl": cfg.session_ttl,
+        "max_sessions_per_peer": cfg.max_sessions_per_peer,
+        "max_sessions": cfg.max_sessions,
+        "peer_share": cfg.peer_cache_share,
+        "evict_idle_after": cfg.evict_idle_after,
+        "pressure_idle_timeout": cfg.pressure_idle_timeout,
+    }

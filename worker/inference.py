@@ -1,13 +1,17 @@
 """Inference streams: one session per stream, its KV cache, and each step through the batcher.
 
 The first message opens (or resumes) a session; every later one is a step, a ``close``, or nothing for
-``idle_timeout`` seconds. Steps arrive from the client and, pushed by the previous server of the chain
+``idle_timeout`` seconds (less while the cache is nearly full: ``CacheManager.idle_limit``). The session's
+tokens count against the caller's address (``worker.cache_policy``); a session evicted for another peer's
+room answers its next step with ``SessionEvictedError`` and the stream ends.
+Steps arrive from the client and, pushed by the previous server of the chain
 (``worker.push``), through the stream's inbox; a step's second copy (same ``step_id``) is dropped.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 import uuid
@@ -15,16 +19,18 @@ from collections import deque
 from typing import AsyncIterator  # noqa: UP035 - hivemind detects streams by typing.AsyncIterator only
 
 import torch
-from hivemind.p2p import P2PContext
+from hivemind.p2p import P2P, P2PContext, PeerID
 from hivemind.proto import runtime_pb2
 
 from swarm_client import protocol
 from swarm_client.capabilities import token_digest
-from swarm_client.errors import InvalidInputError, LengthExceededError, RemoteError
+from swarm_client.errors import InvalidInputError, LengthExceededError, RemoteError, SessionEvictedError
 from swarm_client.protocol import MAX_PIPELINE_GROUPS
 from worker.batcher import StepBatcher
 from worker.cache import CacheManager, SessionCache
+from worker.cache_policy import holder_of
 from worker.compute import StepItem
+from worker.dial_policy import observed_ips
 from worker.metrics import WorkerMetrics
 from worker.push import PushStream, ServerPush
 from worker.wire import internal_error
@@ -37,6 +43,8 @@ _REMEMBERED_STEPS = 16
 INBOX_SIZE = 8
 #: how long each step of a ``--fault slow`` server is held
 SLOW_FAULT_SECONDS = 0.25
+#: how long finding the caller's address (the p2p daemon's peer list) may take before a session opens
+HOLDER_LOOKUP_TIMEOUT = 1.0
 
 
 class InferenceStreams(ServerPush):
@@ -55,6 +63,8 @@ class InferenceStreams(ServerPush):
     copies_after_push: int
     #: compute time of the latest step (set by ``_step``)
     last_step_seconds: float
+    #: the p2p the RPCs are served on (set by ``HandlerSwitch``): where callers connect from
+    p2p: P2P | None = None
 
     async def rpc_inference(
         self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
@@ -63,6 +73,7 @@ class InferenceStreams(ServerPush):
         chain, through ``rpc_push``; both land in one inbox, and a step's second copy (same ``step_id``)
         is dropped, so the client gets exactly one answer per step, from whichever copy came first."""
         owner = context.remote_id.to_base58() if context.remote_id is not None else None
+        holder = await self._holder(context.remote_id)
         cache: SessionCache | None = None
         keep = False
         inbox: asyncio.Queue = asyncio.Queue(INBOX_SIZE)
@@ -72,7 +83,7 @@ class InferenceStreams(ServerPush):
         try:
             try:
                 first = await asyncio.wait_for(anext(requests), self.limits.idle_timeout)
-                cache = self._open_session(self._unpack(first.metadata), owner)
+                cache = self._open_session(self._unpack(first.metadata), owner, holder)
             except (RemoteError, ValueError) as e:
                 yield protocol.make_response(error=self._wire_error(e))
                 return
@@ -87,13 +98,15 @@ class InferenceStreams(ServerPush):
             recent: deque[str] = deque(maxlen=_REMEMBERED_STEPS)
 
             while True:
+                wait = min(self.limits.idle_timeout, self.caches.pressure_idle_timeout)  # pressure may come
                 try:
-                    async with asyncio.timeout(self.limits.idle_timeout):  # cheaper than wait_for per step
+                    async with asyncio.timeout(wait):  # cheaper than wait_for per step
                         source, message = await inbox.get()
                 except TimeoutError:
-                    if time.monotonic() - cache.last_used < self.limits.idle_timeout:
+                    limit = wait if cache.evicted else self.caches.idle_limit(self.limits.idle_timeout)
+                    if time.monotonic() - cache.last_used < limit:
                         continue  # kept busy by bundled steps (rpc_steps), which do not pass this stream
-                    logger.info("session %s idle for %.0fs; closing it", cache.session_id, self.limits.idle_timeout)
+                    logger.info("session %s idle for %.0fs; closing it", cache.session_id, limit)
                     break
                 if source == "end":
                     break
@@ -120,6 +133,8 @@ class InferenceStreams(ServerPush):
                     yield self._step_response(out, position, metadata)
                 except (RemoteError, ValueError) as e:
                     yield protocol.make_response(error=self._wire_error(e), step_id=step_id)
+                    if isinstance(e, SessionEvictedError):
+                        break  # nothing left to step: the client re-opens elsewhere
                 except Exception as e:  # never let one session take the server down
                     logger.exception("inference step failed")
                     yield protocol.make_response(error=internal_error(e), step_id=step_id)
@@ -132,10 +147,21 @@ class InferenceStreams(ServerPush):
             if cache is not None:
                 if self._inboxes.get(cache.session_id) is inbox:
                     del self._inboxes[cache.session_id]
-                self.batcher.forget(cache.session_id)
-                self.caches.release(cache.session_id, keep=keep)
+                if self.caches.sessions.get(cache.session_id) in (None, cache):  # an evicted id may be reused
+                    self.batcher.forget(cache.session_id)
+                self.caches.release(cache.session_id, keep=keep, cache=cache)
 
-    def _open_session(self, metadata: dict, owner: str | None) -> SessionCache:
+    async def _holder(self, peer: PeerID | None) -> str | None:
+        """Whom the caller's tokens count against: its address, as the p2p daemon sees its connection."""
+        if peer is None:
+            return None
+        observed = []
+        if self.p2p is not None:
+            with contextlib.suppress(Exception):  # no answer: count by peer id
+                observed = await asyncio.wait_for(observed_ips(self.p2p, peer), HOLDER_LOOKUP_TIMEOUT)
+        return holder_of(peer.to_base58(), observed)
+
+    def _open_session(self, metadata: dict, owner: str | None, holder: str | None = None) -> SessionCache:
         spec = metadata.get("open")
         if not isinstance(spec, dict):
             raise InvalidInputError("the first message of an inference stream must be {'open': {...}}")
@@ -146,7 +172,8 @@ class InferenceStreams(ServerPush):
             wanted = spec.get("max_length")
             if wanted is not None and (not isinstance(wanted, int) or isinstance(wanted, bool) or wanted < 1):
                 raise InvalidInputError(f"max_length must be a positive int, got {wanted!r}")
-            cache = self.caches.resume(session_id, owner, max_length=wanted, resume_token=spec.get("resume_token"))
+            token = spec.get("resume_token")
+            cache = self.caches.resume(session_id, owner, max_length=wanted, resume_token=token, holder=holder)
             if spec.get("adapter") != cache.adapter:  # a resume names the session's adapter (absent: none)
                 raise InvalidInputError(
                     f"session {session_id[:80]!r} runs with adapter {cache.adapter!r}, not {spec['adapter']!r}"
@@ -161,7 +188,7 @@ class InferenceStreams(ServerPush):
             )
         if not isinstance(max_length, int) or max_length < 1:
             raise InvalidInputError(f"max_length must be a positive int, got {max_length!r}")
-        cache = self.caches.open(session_id, batch_size, max_length, owner=owner, num_layers=end - start)
+        cache = self.caches.open(session_id, batch_size, max_length, owner=owner, num_layers=end - start, holder=holder)
         cache.blocks = self._relative(start, end)
         cache.adapter = adapter
         cache.resume_digest = token_digest(spec.get("resume_token"))
@@ -187,7 +214,9 @@ class InferenceStreams(ServerPush):
             raise LengthExceededError(
                 f"step of {length} tokens at position {position} exceeds the session's max_length {cache.max_length}"
             )
+        self.caches.check_not_evicted(cache)
         async with cache.lock:
+            self.caches.check_not_evicted(cache)  # evicted while this step waited for the lock
             cache.touch()
             cache.position = position  # rolls back when position < cached tokens
             self.caches.ensure_capacity(cache, position + length)

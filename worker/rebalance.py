@@ -138,9 +138,16 @@ class HandlerSwitch(protocol.BlockRPC):
     def __init__(self, handler: BlockHandler):
         self.current = handler
         self.retired: list[BlockHandler] = []
+        self.p2p = None
+
+    async def add_p2p_handlers(self, p2p, *args, **kwargs) -> None:
+        """Register the RPCs; handlers learn the p2p too (where callers connect from: ``worker.cache_policy``)."""
+        self.p2p = self.current.p2p = p2p
+        await super().add_p2p_handlers(p2p, *args, **kwargs)
 
     def switch_to(self, handler: BlockHandler) -> BlockHandler:
         """Make ``handler`` current; return the previous one (now retired: no new sessions)."""
+        handler.p2p = self.p2p
         old, self.current = self.current, handler
         old.accepting = False
         self.retired.append(old)

@@ -37,7 +37,7 @@ from worker.announce import declare_span
 from worker.block_selection import choose_best_blocks
 from worker.cache import CacheManager
 from worker.compute import SpanRunner
-from worker.config import WorkerConfig, announce_list
+from worker.config import WorkerConfig, announce_list, cache_settings
 from worker.handler import BlockHandler, HandlerLimits
 from worker.loading import load_blocks, resolve_dtype
 from worker.message_cap import DEFAULT_MAX_RECEIVING_BYTES, install_message_cap
@@ -214,16 +214,7 @@ class BlockServer:
         )
         runner = SpanRunner(blocks, self.dtype, self.device)
         layout = self.family.cache_layout(self.config)
-        caches = CacheManager(
-            cfg.cache_tokens,
-            len(blocks),
-            layout,
-            self.dtype,
-            self.device,
-            cfg.session_ttl,
-            cfg.max_sessions_per_peer,
-            cfg.max_sessions,
-        )
+        caches = CacheManager(cfg.cache_tokens, len(blocks), layout, self.dtype, self.device, **cache_settings(cfg))
         if self.handler is None:  # per-block tok/s: the same wherever the span lies, so a move reuses it
             self.throughput = cfg.throughput or await asyncio.to_thread(
                 measure_throughput, runner, self.config.hidden_size, layout, self.dtype, self.device

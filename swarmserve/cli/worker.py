@@ -67,6 +67,25 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "past this it routes to other servers)",
     )
     p.add_argument(
+        "--peer-cache-share",
+        type=float,
+        default=0.25,
+        help="share of the cache one caller (its IP; its peer id on loopback) is sure of: beyond it, its idle "
+        "sessions are evicted when the cache is full and a caller within its share needs room (1: never)",
+    )
+    p.add_argument(
+        "--evict-idle-after",
+        type=float,
+        default=2.0,
+        help="a session idle this long may be evicted for another caller's room (only beyond its share)",
+    )
+    p.add_argument(
+        "--pressure-idle-timeout",
+        type=float,
+        default=30.0,
+        help="close a stream idle this long while less than 10%% of the cache is free (s)",
+    )
+    p.add_argument(
         "--max-tensor-bytes", type=int, default=256 * 2**20, help="reject larger tensors before decoding them"
     )
     p.add_argument(
@@ -159,6 +178,9 @@ def run(args: argparse.Namespace, rest: list[str]) -> int:
             idle_timeout=args.idle_timeout,
             max_sessions=args.max_sessions,
             max_sessions_per_peer=args.max_sessions_per_peer,
+            peer_cache_share=args.peer_cache_share,
+            evict_idle_after=args.evict_idle_after,
+            pressure_idle_timeout=args.pressure_idle_timeout,
             max_tensor_bytes=args.max_tensor_bytes,
             max_step_tokens=args.max_step_tokens,
             max_message_bytes=args.max_message_bytes,
