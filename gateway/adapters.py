@@ -11,6 +11,7 @@ A request naming anything else is a 404 ``model_not_found`` listing the names th
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -30,6 +31,7 @@ __all__ = [
 ]
 
 
+@functools.lru_cache(maxsize=64)  # asked per request: a path's look on disk, once
 def public_model_id(model_id: str) -> str:
     """The name the gateway shows for a served model: ``model_id`` itself when it is a name (a hub id such
     as ``HuggingFaceTB/SmolLM2-135M-Instruct``, or the name the operator gave), its directory's name when it

@@ -7,8 +7,9 @@ carry ``x-request-id`` and any bug in them is still a 500 in the envelope):
     BodySizeLimitMiddleware   413 request_too_large          checked on Content-Length before reading,
                                                              and on the bytes as they arrive
     RateLimitMiddleware       429 rate_limit_exceeded        (counting in gateway/ratelimit.py)
-    StreamLimitMiddleware     503 streams_saturated          a slot per generation request (streamed or
-                                                             not); a bounded queue waits for one (at most
+    StreamLimitMiddleware     503 streams_saturated          a slot per choice of a generation request
+                                                             (streamed or not; gateway/stream_slots.py); a
+                                                             bounded queue waits for them (at most
                                                              stream_queue_timeout_s)
 
 The rate limiter needs the JSON body (its token estimate, counted on the tokenize thread,
@@ -21,10 +22,8 @@ The per-request timeout is the engine's ``request_timeout_s`` (a 504, or an erro
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import logging
-from collections import deque
 from collections.abc import AsyncIterator, Collection
 from contextlib import asynccontextmanager
 from typing import Any
@@ -34,7 +33,7 @@ from starlette.datastructures import MutableHeaders
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway.auth import APIKeys, AuthMiddleware, load_api_keys
-from gateway.errors import GatewayError, InvalidRequestError, ServiceUnavailableError, error_response
+from gateway.errors import GatewayError, InvalidRequestError, error_response
 from gateway.ratelimit import (
     GENERATION_PATHS,
     ModelTokenCounter,
@@ -46,6 +45,7 @@ from gateway.ratelimit import (
 )
 from gateway.schema_base import load_json_body
 from gateway.settings import GatewaySettings
+from gateway.stream_slots import StreamLimitMiddleware, StreamSlots, StreamsSaturatedError, auto_stream_slots
 from gateway.tokenize_thread import TokenizeThread
 
 logger = logging.getLogger(__name__)
@@ -72,11 +72,6 @@ class PayloadTooLargeError(GatewayError):
     def __init__(self, limit: int, size: int | None = None):
         got = f" ({size} bytes)" if size is not None else ""
         super().__init__(f"Request body too large{got}: this server accepts at most {limit} bytes.")
-
-
-class StreamsSaturatedError(ServiceUnavailableError):
-    def __init__(self, message: str, *, retry_after_s: int):
-        super().__init__(message, code="streams_saturated", retry_after_s=retry_after_s)
 
 
 # ----------------------------------------------------------------------------------------------- the body
@@ -239,105 +234,6 @@ class RateLimitMiddleware:
         await self.app(scope, receive, send_with_headers)
 
 
-# ------------------------------------------------------------------------------------------- stream slots
-
-
-class StreamSlots:
-    """At most ``max_active`` streams at once; up to ``max_queued`` more wait, first come first served,
-    at most ``queue_timeout_s`` (0: as long as it takes). ``max_active == 0``: unlimited."""
-
-    def __init__(self, max_active: int, max_queued: int = 0, queue_timeout_s: float = 30.0, retry_after_s: int = 5):
-        self.max_active = max_active
-        self.max_queued = max_queued
-        self.queue_timeout_s = queue_timeout_s
-        self.retry_after_s = retry_after_s
-        self.active = 0
-        self._waiters: deque[asyncio.Future[None]] = deque()
-
-    @property
-    def queued(self) -> int:
-        return sum(1 for w in self._waiters if not w.done())
-
-    @asynccontextmanager
-    async def slot(self) -> AsyncIterator[None]:
-        await self.acquire()
-        try:
-            yield
-        finally:
-            self.release()
-
-    async def acquire(self) -> None:
-        if self.max_active <= 0:
-            self.active += 1
-            return
-        if self.active < self.max_active and not self.queued:
-            self.active += 1
-            return
-        if self.queued >= self.max_queued:
-            raise StreamsSaturatedError(
-                f"The server is at its limit of {self.max_active} concurrent generation requests and "
-                f"{self.max_queued} queued; retry later.",
-                retry_after_s=self.retry_after_s,
-            )
-        waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._waiters.append(waiter)
-        try:
-            async with asyncio.timeout(self.queue_timeout_s or None):
-                await waiter  # release() counts us in before it wakes us
-        except BaseException as exc:
-            if waiter.done() and not waiter.cancelled():
-                self.release()  # a slot was handed over just as we gave up: pass it on
-            else:
-                waiter.cancel()
-            if isinstance(exc, TimeoutError):
-                raise StreamsSaturatedError(
-                    f"No stream slot freed up within {self.queue_timeout_s:g}s "
-                    f"({self.max_active} concurrent generation requests at most); retry later.",
-                    retry_after_s=self.retry_after_s,
-                ) from None
-            raise
-        finally:
-            try:
-                self._waiters.remove(waiter)
-            except ValueError:
-                pass
-
-    def release(self) -> None:
-        self.active -= 1
-        while self._waiters:
-            waiter = self._waiters.popleft()
-            if not waiter.done():
-                self.active += 1
-                waiter.set_result(None)
-                return
-
-
-class StreamLimitMiddleware:
-    """Holds a ``StreamSlots`` slot for the whole life of a generation request, streaming or not (until its
-    last byte is sent or its client is gone); 503 + Retry-After when none is free and the queue is full.
-    Non-streaming requests take slots too: they hold the same sessions and compute, and were a way around
-    the limit (a flood of them was unbounded concurrency)."""
-
-    def __init__(self, app: ASGIApp, slots: StreamSlots):
-        self.app = app
-        self.slots = slots
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if self.slots.max_active <= 0 or not _is_generation(scope):
-            await self.app(scope, receive, send)
-            return
-        try:
-            await self.slots.acquire()
-        except StreamsSaturatedError as exc:
-            logger.info("%s %s → 503 (%s)", scope.get("method"), scope.get("path"), exc.message)
-            await error_response(exc)(scope, receive, send)
-            return
-        try:
-            await self.app(scope, receive, send)
-        finally:
-            self.slots.release()
-
-
 # ---------------------------------------------------------------------------------------------- install
 
 
@@ -360,8 +256,11 @@ def install_limits(app: FastAPI, settings: GatewaySettings) -> None:
     tokenize: TokenizeThread | None = getattr(engine, "tokenize", None)
     max_context = int(getattr(backend, "max_context", 0) or 2**31)
     limiter = RateLimiter(settings.rate_limit_rpm, settings.rate_limit_tpm, redis_url=settings.redis_url)
+    max_active = settings.max_concurrent_streams
+    if max_active is None:  # the default: from this machine's cores (gateway/stream_slots.py)
+        max_active = auto_stream_slots(settings.backend_threads)
     slots = StreamSlots(
-        settings.max_concurrent_streams,
+        max_active,
         settings.max_queued_streams,
         settings.stream_queue_timeout_s,
         retry_after_s=settings.retry_after_s,

@@ -51,6 +51,7 @@ from gateway.request_parts import (
 from gateway.route_info import RouteInfo
 from gateway.sampling import choice_seed
 from gateway.schema_limits import check_tool_schemas
+from gateway.stream_slots import hold_choices
 from gateway.streaming import ChatChunkBuilder, CompletionChunkBuilder, event_stream
 from gateway.tool_calling import ToolPlan, plan_tools
 from gateway.tool_grammar import tool_call_grammar
@@ -68,6 +69,7 @@ async def create_chat_completion(engine: Engine, req: ChatCompletionRequest, req
         check_tool_schemas(tools.tools, {f["name"] for f in tools.functions})
     messages = chat_messages(req.messages, fmt, tools)
     n = count_choices(engine, req.n, 1)
+    await hold_choices(request, n)  # a stream slot per choice (gateway/stream_slots.py)
     check_stream_options(req.stream, req.stream_options)
     if req.top_logprobs is not None and not req.logprobs:
         raise InvalidRequestError("top_logprobs requires logprobs to be true.", param="top_logprobs")
@@ -156,6 +158,7 @@ async def create_completion(engine: Engine, req: CompletionRequest, request: Req
     prompts = await engine.tokenize.run(_completion_prompts, engine, req.prompt, req.max_tokens)  # off the event loop
     n = req.n or 1
     count_choices(engine, n, len(prompts))
+    await hold_choices(request, n * len(prompts))  # a stream slot per choice (gateway/stream_slots.py)
     stop = stop_list(req.stop)
     k = req.logprobs
     grammar = await engine.structured.compile(req.response_format)

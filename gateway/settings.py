@@ -98,9 +98,10 @@ class GatewaySettings(BaseSettings):
     rate_limit_tiktoken_file: str | None = None
     #: largest request body accepted (413 above it, before parsing); 0 = no limit
     max_body_bytes: int = Field(default=8 * 2**20, ge=0)
-    #: streaming requests running at once; 0 = no limit
-    max_concurrent_streams: int = Field(default=0, ge=0)
-    #: streaming requests that may wait for a slot (503 + Retry-After beyond), and for how long at most
+    #: choices decoding at once, over all generation requests (streamed or not; ``n=16`` holds 16); None: 16
+    #: per CPU core, at most ``backend_threads`` (gateway/stream_slots.py); 0 = no limit
+    max_concurrent_streams: int | None = Field(default=None, ge=0)
+    #: requests that may wait for slots (503 + Retry-After beyond), and for how long at most
     max_queued_streams: int = Field(default=32, ge=0)
     stream_queue_timeout_s: float = Field(default=30.0, ge=0)
 

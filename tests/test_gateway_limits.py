@@ -129,7 +129,7 @@ def test_missing_or_wrong_key_is_401_in_the_envelope(guarded: Gateway) -> None:
 
 def test_right_key_works_through_the_openai_sdk(guarded: Gateway) -> None:
     client = _sdk(guarded)
-    assert [m.id for m in client.models.list().data] == [guarded.backend.model_id]
+    assert [m.id for m in client.models.list().data] == [guarded.model]  # its name, not its path
     r = client.chat.completions.create(model=guarded.model, messages=HELLO, max_tokens=3, temperature=0)
     assert_greedy(r, chat_prompt_ids(HELLO), 3)  # served, and served right
 
@@ -223,7 +223,7 @@ def test_streams_beyond_slots_and_queue_are_503_with_retry_after(guarded: Gatewa
         with guarded.http() as http:
             r = http.post("/v1/chat/completions", json=body, headers=_auth())
             error = _envelope(r, 503, "streams_saturated")
-            assert r.headers["retry-after"] == "3" and "1 concurrent generation requests" in error["message"]
+            assert r.headers["retry-after"] == "3" and "1 choices decoding at once" in error["message"]
             # a non-streaming request needs a slot too: a flood of them is no way around the limit
             for _ in range(3):
                 plain = http.post("/v1/completions", json={"prompt": "x", "max_tokens": 1}, headers=_auth())

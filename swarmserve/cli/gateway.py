@@ -172,7 +172,13 @@ def add_limit_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--rate-limit-rpm", type=int, default=None, help="requests per minute per key (0: none)")
     g.add_argument("--rate-limit-tpm", type=int, default=None, help="tokens (prompt + max_tokens) per minute per key")
     g.add_argument("--max-body-bytes", type=int, default=None, help="largest request body (413 above)")
-    g.add_argument("--max-concurrent-streams", type=int, default=None, help="streaming requests at once (0: no limit)")
+    g.add_argument(
+        "--max-concurrent-streams",
+        type=int,
+        default=None,
+        help="choices decoding at once, streamed or not; n=16 takes 16 (default: 16 per CPU core, at most "
+        "backend threads; 0: no limit)",
+    )
     g.add_argument("--max-queued", type=int, default=None, help="streams waiting for a slot (503 beyond)")
 
 
