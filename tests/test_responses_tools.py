@@ -167,3 +167,88 @@ def test_bad_tools_are_400s_naming_them(gw: Gateway, client: openai.OpenAI, body
     with pytest.raises(openai.BadRequestError) as info:
         client.responses.create(model=gw.model, input=ASK, max_output_tokens=4, **body)
     assert info.value.body["param"] == param and words in info.value.message
+
+
+def _plan(fmt_name: str = "hermes") -> Any:
+    from gateway.responses_tools import plan_response_tools
+    from gateway.tool_formats import TOOL_FORMATS
+
+    return plan_response_tools(RESPONSE_TOOLS, "auto", None, TOOL_FORMATS[fmt_name])  # type: ignore[index]
+
+
+def test_output_items_streamed_piece_by_piece_equal_the_whole() -> None:
+    """Text, a call, more text: a message, a function_call, a second message — whether the reply comes a
+    character at a time (events in OpenAI's order, indexes counting up) or all at once."""
+    from gateway.responses_output import OutputItems
+
+    reply = 'Let me look.\n<tool_call>\n{"name": "get_time", "arguments": {"zone": "UTC"}}\n</tool_call>\nDone.'
+    whole = OutputItems(_plan(), "msg_1")
+    whole.start(), whole.feed(reply), whole.finish("completed")
+    events: list[tuple[str, dict]] = []
+    pieces = OutputItems(_plan(), "msg_1", emit=lambda t, **f: (t, f))
+    events += pieces.start()
+    for ch in reply:
+        events += pieces.feed(ch)
+    events += pieces.finish("completed")
+    assert [i.type for i in whole.items] == ["message", "function_call", "message"]
+    ids = {"id", "call_id"}  # new each time
+    assert [i.model_dump(exclude=ids) for i in pieces.items] == [i.model_dump(exclude=ids) for i in whole.items]
+    text, call, after = pieces.items
+    assert (text.content[0].text, call.name, call.arguments, after.content[0].text) == (
+        "Let me look.\n", "get_time", '{"zone": "UTC"}', "\nDone.",
+    )  # fmt: skip
+    added = [f["output_index"] for t, f in events if t == "response.output_item.added"]
+    done = [f["item"]["id"] for t, f in events if t == "response.output_item.done"]
+    assert added == [0, 1, 2] and done == [i.id for i in pieces.items]
+    arguments = "".join(f["delta"] for t, f in events if t == "response.function_call_arguments.delta")
+    assert arguments == call.arguments
+    assert pieces.assistant_message() == {
+        "role": "assistant",
+        "content": "Let me look.\n\nDone.",
+        "tool_calls": [{"id": call.call_id, "type": "function", "function": {"name": "get_time",
+                                                                                "arguments": call.arguments}}],
+    }  # fmt: skip
+
+
+def test_output_items_cut_short_mark_the_open_call_incomplete() -> None:
+    from gateway.responses_output import OutputItems
+
+    items = OutputItems(_plan(), "msg_1")
+    items.start(), items.feed('<tool_call>\n{"name": "get_time", "arguments": {"zone": "U'), items.finish("incomplete")
+    (call,) = items.items
+    assert (call.type, call.status, call.arguments) == ("function_call", "incomplete", '{"zone": "U')
+    blank = OutputItems(_plan(), "msg_1")
+    blank.start(), blank.feed(""), blank.finish("completed")
+    assert [(i.type, i.id, i.content[0].text) for i in blank.items] == [("message", "msg_1", "")]
+
+
+@pytest.fixture(scope="module")
+def prompt_format(gw: Gateway) -> Any:
+    """A second app over the shared backend whose tools are taught in the system prompt (``prompt``)."""
+    from tests.gateway_fixtures import start_gateway
+
+    other = start_gateway(gw.backend, tool_format="prompt")
+    yield other
+    other.server.stop()
+
+
+def test_a_template_without_tools_gets_them_in_the_prompt(prompt_format: Gateway) -> None:
+    client = prompt_format.client()
+    first = _create(client, prompt_format, tool_choice="required", parallel_tool_calls=False)
+    (call,) = _calls(first)
+    assert_call_valid(call.name, call.arguments)
+    result = {"type": "function_call_output", "call_id": call.call_id, "output": "sunny"}
+    second = _create(client, prompt_format, input=[result], previous_response_id=first.id, max_output_tokens=4)
+    assert second.output and second.usage.input_tokens > first.usage.input_tokens
+
+
+def test_an_error_inside_a_call_fails_the_response_with_the_call_so_far(gw: Gateway, client: openai.OpenAI) -> None:
+    weather = {"type": "function", "name": "get_weather"}
+    with gw.backend.tweaked(fail_at_step=25):  # after the name, before the end of the arguments
+        events = list(_create(client, gw, tool_choice=weather, stream=True))
+    assert [e.type for e in events[-2:]] == ["error", "response.failed"]
+    (call,) = events[-1].response.output
+    assert (call.type, call.status, call.name) == ("function_call", "incomplete", "get_weather")
+    with pytest.raises(openai.NotFoundError):  # not kept
+        client.responses.retrieve(events[-1].response.id)
+    assert gw.backend.wait_all_closed()
