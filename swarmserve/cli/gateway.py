@@ -24,7 +24,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="another model name for a served LoRA adapter: requests for model ALIAS run adapter NAME (MODEL_ID:NAME "
         "always does; also: SWARMSERVE_ADAPTER_ALIASES)",
     )
-    p.add_argument("--redis-url", default=None, help="session-affinity store and rate-limit counters (default: memory)")
+    p.add_argument(
+        "--redis-url",
+        default=None,
+        help="affinity store, rate-limit counters and stored /v1/responses, shared by replicas (default: memory)",
+    )
     add_listen_flags(p, "the HTTP API", 8000)
     add_client_flags(p)
     p.add_argument(
