@@ -13,7 +13,7 @@ from __future__ import annotations
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel
 
@@ -25,6 +25,7 @@ __all__ = ["OutputItems", "dump"]
 
 #: makes one stream event from its type and fields (``responses_stream._Sequencer``)
 Emit = Callable[..., Any]
+ItemStatus = Literal["in_progress", "completed", "incomplete"]
 
 
 def dump(model: BaseModel) -> dict[str, Any]:
@@ -41,11 +42,11 @@ class _Open:
     name: str = ""
     parts: list[str] = field(default_factory=list)
 
-    def item(self, status: str) -> OutputItem:
+    def item(self, status: ItemStatus) -> OutputItem:
         text = "".join(self.parts)
         if self.call_id is None:
-            return OutputMessage(id=self.id, status=status, content=[OutputText(text=text)])  # type: ignore[arg-type]
-        return FunctionCallItem(id=self.id, call_id=self.call_id, name=self.name, arguments=text, status=status)  # type: ignore[arg-type]
+            return OutputMessage(id=self.id, status=status, content=[OutputText(text=text)])
+        return FunctionCallItem(id=self.id, call_id=self.call_id, name=self.name, arguments=text, status=status)
 
 
 class OutputItems:
@@ -87,7 +88,7 @@ class OutputItems:
         self._close(status)
         return self._flush()
 
-    def snapshot(self, status: str) -> list[OutputItem]:
+    def snapshot(self, status: ItemStatus) -> list[OutputItem]:
         """The items so far, the open one (if any) in ``status``: what a failed response shows."""
         return [*self.items, self._open.item(status)] if self._open is not None else list(self.items)
 
