@@ -12,11 +12,15 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import ipaddress
+import socket
 import time
 from collections.abc import AsyncIterator
 
+import psutil
 import pytest
 import torch
+from hivemind.p2p import P2P, PeerID
 from hivemind.proto import runtime_pb2
 
 from swarm_client import AutoDistributedModelForCausalLM, protocol, runtime
@@ -38,8 +42,8 @@ def code(answer: dict) -> str:
 class Squatter:
     """``STREAMS`` held inference streams of one peer: open, one 1-token step, then idle until told."""
 
-    def __init__(self, stub) -> None:
-        self.stub = stub
+    def __init__(self, stub, prefix: str = "squat") -> None:
+        self.stub, self.prefix = stub, prefix
         self.outcomes: collections.Counter[str] = collections.Counter()
         self.inboxes: list[asyncio.Queue] = []
         self.answers: list[list[dict]] = []
@@ -57,7 +61,8 @@ class Squatter:
 
     async def _hold(self, i: int, inbox: asyncio.Queue, answers: list[dict]) -> None:
         async def requests() -> AsyncIterator[runtime_pb2.ExpertRequest]:
-            yield protocol.make_request(open={"session_id": f"squat-{i}", "max_length": MAX_LENGTH, "batch_size": 1})
+            opened = {"session_id": f"{self.prefix}-{i}", "max_length": MAX_LENGTH, "batch_size": 1}
+            yield protocol.make_request(open=opened)
             yield protocol.make_request([torch.zeros(1, 1, 64)], position=0)
             while (message := await inbox.get()) is not None:
                 yield message
@@ -133,3 +138,49 @@ def test_an_idle_squatter_does_not_keep_others_out(tiny_llama, local_llama) -> N
             runtime.run(squatter.stop())
             attacker.shutdown()
             model.shutdown()
+
+
+def own_lan_ip() -> str | None:
+    for addresses in psutil.net_if_addrs().values():
+        for address in addresses:
+            if address.family == socket.AF_INET and not ipaddress.ip_address(address.address).is_loopback:
+                return address.address
+    return None
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("0.0.0.0", 0))
+        return s.getsockname()[1]
+
+
+def test_sybil_ids_on_one_address_are_one_holder(tiny_llama) -> None:
+    """4 peer ids connecting from one (non-loopback) address hold 16 sessions each: 1024 slots, exactly a
+    quarter share each, so by peer id nobody would be over its share and a newcomer would get "busy". Counted
+    by address they are one holder of the whole cache, over its share: the newcomer's session evicts one."""
+    lan = own_lan_ip()
+    if lan is None:
+        pytest.skip("no non-loopback IPv4 address on this machine")
+    port = free_port()
+    flags = ["--cache-tokens", str(CACHE_TOKENS), "--evict-idle-after", "1", "--host", "0.0.0.0", "--port", str(port)]
+    with swarm(tiny_llama, ["0:4"], *flags) as s:
+        (worker,) = s.workers
+        peer = PeerID.from_base58(worker.peer_id)
+        via_lan, via_loopback = (f"/ip4/{host}/tcp/{port}/p2p/{worker.peer_id}" for host in (lan, "127.0.0.1"))
+        sybils = [runtime.run(P2P.create(initial_peers=[via_lan])) for _ in range(4)]
+        newcomer = runtime.run(P2P.create(initial_peers=[via_loopback]))
+        squatters = [Squatter(protocol.BlockRPC.get_stub(p, peer), f"sybil{i}") for i, p in enumerate(sybils)]
+        mine = Squatter(protocol.BlockRPC.get_stub(newcomer, peer), "newcomer")
+        try:
+            for squatter in squatters:
+                runtime.run(squatter.start(CACHE_TOKENS // MAX_LENGTH // 4))
+            assert [sq.outcomes for sq in squatters] == [{"held": 16}] * 4, [sq.outcomes for sq in squatters]
+            time.sleep(1.5)
+            runtime.run(mine.start(1))
+            assert mine.outcomes == {"held": 1}, mine.outcomes
+            assert code(runtime.run(mine.step_again(0))) == "ok"
+        finally:
+            for squatter in [*squatters, mine]:
+                runtime.run(squatter.stop())
+            for p in [*sybils, newcomer]:
+                runtime.run(p.shutdown())
