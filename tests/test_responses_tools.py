@@ -252,3 +252,40 @@ def test_an_error_inside_a_call_fails_the_response_with_the_call_so_far(gw: Gate
     with pytest.raises(openai.NotFoundError):  # not kept
         client.responses.retrieve(events[-1].response.id)
     assert gw.backend.wait_all_closed()
+
+
+def test_parallel_tool_calls_false_makes_one_call(gw: Gateway, client: openai.OpenAI) -> None:
+    r = _create(client, gw, tool_choice="required", parallel_tool_calls=False, temperature=1.0, extra_body={"seed": 5})
+    (call,) = _calls(r)
+    assert r.parallel_tool_calls is False and assert_call_valid(call.name, call.arguments)
+
+
+def test_input_items_become_chat_messages() -> None:
+    """Calls join the assistant message before them; results become tool messages answering a known call."""
+    from gateway.errors import InvalidRequestError
+    from gateway.responses_input import called_ids, input_messages
+
+    call = {"type": "function_call", "call_id": "call_1", "name": "get_time", "arguments": "{}"}
+    items = [
+        {"role": "user", "content": "time?"},
+        {"role": "assistant", "content": [{"type": "output_text", "text": "Looking."}]},
+        call,
+        {**call, "call_id": "call_2"},
+        {"type": "function_call_output", "call_id": "call_1", "output": [{"type": "input_text", "text": "noon"}]},
+    ]
+    messages = input_messages(items)
+    assert messages[1] == {
+        "role": "assistant",
+        "content": "Looking.",
+        "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "get_time", "arguments": "{}"}},
+            {"id": "call_2", "type": "function", "function": {"name": "get_time", "arguments": "{}"}},
+        ],
+    }
+    assert messages[2] == {"role": "tool", "tool_call_id": "call_1", "content": "noon"}
+    assert called_ids(messages) == {"call_1", "call_2"}
+    later = [{"type": "function_call_output", "call_id": "call_2", "output": "noon"}]
+    assert input_messages(later, called_ids(messages))[0]["tool_call_id"] == "call_2"
+    with pytest.raises(InvalidRequestError) as info:
+        input_messages(later)  # no such call in this conversation
+    assert info.value.param == "input[0].call_id"
