@@ -185,3 +185,71 @@ def test_constrained_speculation_over_a_two_worker_swarm(swarm_gw: Gateway) -> N
         assert on.message.content is None and len(on.message.tool_calls) == 1
         assert on.message.tool_calls[0].function.arguments == off.message.tool_calls[0].function.arguments
     assert kept > 20
+
+
+# ------------------------------------------------------------------- the audit's case: SmolLM2, JSON in the prompt
+
+PERSON = {
+    "type": "object",
+    "properties": {"name": {"type": "string"}, "age": {"type": "integer"}, "city": {"type": "string"}},
+    "required": ["name", "age", "city"],
+    "additionalProperties": False,
+}
+EXTRACT = [
+    {
+        "role": "user",
+        "content": 'Here is a record: {"name":"Li Wei","age":31,"city":"Oslo"}. Return the person in this '
+        "record as JSON with the keys name, age and city.",
+    }
+]
+
+
+@pytest.fixture(scope="module")
+def smollm2_swarm_gw(smollm2_path: str) -> Iterator[Gateway]:
+    with (
+        swarm(smollm2_path, ["0:15", "15:30"]) as s,
+        swarm_gateway(smollm2_path, s.initial_peers) as gw,
+    ):
+        yield gw
+
+
+@pytest.mark.slow
+def test_smollm2_extracting_json_from_its_prompt_with_lookup_speculation(smollm2_swarm_gw: Gateway) -> None:
+    """The gateway's default speculation (prompt lookup) copies the record out of the prompt, so guesses are
+    kept: 30 sampled answers (n=10, three seeds) that end with ``stop`` all validate, and greedy decoding is
+    the same with speculation on and off; the same for a named tool call (content null, one call)."""
+    import jsonschema_rs
+
+    gw = smollm2_swarm_gw
+    client = gw.client(timeout=300)
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
+    kw: dict[str, Any] = dict(model=gw.model, messages=EXTRACT, max_tokens=40, response_format=fmt)
+    kept = stopped = 0
+    for seed in range(3):
+        r = client.chat.completions.create(n=10, seed=seed, temperature=1.0, **kw)
+        kept += _accepted(r)
+        for choice in r.choices:
+            if choice.finish_reason == "stop":
+                stopped += 1
+                jsonschema_rs.validate(PERSON, json.loads(choice.message.content))
+    assert stopped >= 20 and kept > 0  # most answers complete, and guesses were kept on the way
+    greedy = client.chat.completions.create(temperature=0, **kw)
+    plain = client.chat.completions.create(temperature=0, extra_body={"speculation": "off"}, **kw)
+    assert greedy.choices[0].message.content == plain.choices[0].message.content
+    assert json.loads(greedy.choices[0].message.content)["name"] == "Li Wei"
+    assert _accepted(greedy) > 0
+    tool = {
+        "type": "function",
+        "function": {"name": "save_person", "parameters": PERSON, "strict": True},
+    }
+    tool_kw: dict[str, Any] = dict(
+        model=gw.model, messages=EXTRACT, tools=[tool], max_tokens=60, temperature=0,
+        tool_choice={"type": "function", "function": {"name": "save_person"}},
+    )  # fmt: skip
+    on = client.chat.completions.create(**tool_kw).choices[0]
+    off = client.chat.completions.create(extra_body={"speculation": "off"}, **tool_kw).choices[0]
+    for choice in (on, off):
+        assert choice.message.content is None and choice.finish_reason == "tool_calls"
+        (call,) = choice.message.tool_calls
+        jsonschema_rs.validate(PERSON, json.loads(call.function.arguments))
+    assert on.message.tool_calls[0].function.arguments == off.message.tool_calls[0].function.arguments
