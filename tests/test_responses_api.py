@@ -4,14 +4,13 @@ the tiny random Llama (LocalBackend), and (``slow``) over a real 2-worker swarm,
 
 from __future__ import annotations
 
-import asyncio
 import json
 from collections.abc import Iterator
 
 import openai
 import pytest
 
-from gateway.responses_store import ResponsesStore, StoredResponse
+from gateway.responses_store import ResponsesStore
 from tests.gateway_fixtures import (
     REQUEST_TIMEOUT_S,
     Gateway,
@@ -310,25 +309,6 @@ def test_metrics_and_access_log_see_the_route(gw: Gateway, client: openai.OpenAI
     assert any('"POST /v1/responses" 200' in m and "completion_tokens=2" in m for m in caplog.messages)
     with gw.http() as http:
         assert 'route="/v1/responses"' in http.get("/metrics").text
-
-
-def test_store_is_bounded() -> None:
-    now = [0.0]
-    store = ResponsesStore(max_entries=2, ttl_s=10, clock=lambda: now[0])
-
-    def put(i: int, owner: str | None = "k") -> None:
-        asyncio.run(store.put(StoredResponse(f"resp_{i}", owner, "key", [], {})))
-
-    def get(i: int, owner: str | None) -> StoredResponse | None:
-        return asyncio.run(store.get(f"resp_{i}", owner))
-
-    put(1), put(2), put(3)
-    assert (get(1, "k"), len(store)) == (None, 2)  # the oldest went first
-    assert get(3, "k") is not None and get(3, "other") is None
-    now[0] = 10.5
-    assert get(3, "k") is None and len(store) == 0  # expired
-    put(4, None)
-    assert get(4, None) is not None and get(4, "k") is None
 
 
 def test_store_evicts_through_the_api(gw: Gateway, client: openai.OpenAI) -> None:

@@ -54,6 +54,25 @@ def test_values_at_the_bounds_are_kept(gw: Gateway) -> None:
     assert kept["metadata"] == metadata and kept["user"] == "u" * 256
 
 
+def test_store_is_bounded() -> None:
+    now = [0.0]
+    store = ResponsesStore(max_entries=2, ttl_s=10, clock=lambda: now[0])
+
+    def put(i: int, owner: str | None = "k") -> None:
+        asyncio.run(store.put(StoredResponse(f"resp_{i}", owner, "key", [], {})))
+
+    def get(i: int, owner: str | None) -> StoredResponse | None:
+        return asyncio.run(store.get(f"resp_{i}", owner))
+
+    put(1), put(2), put(3)
+    assert (get(1, "k"), len(store)) == (None, 2)  # the oldest went first
+    assert get(3, "k") is not None and get(3, "other") is None
+    now[0] = 10.5
+    assert get(3, "k") is None and len(store) == 0  # expired
+    put(4, None)
+    assert get(4, None) is not None and get(4, "k") is None
+
+
 def test_the_memory_store_keeps_a_byte_budget() -> None:
     store = ResponsesStore(max_entries=100, max_bytes=10_000, max_entry_bytes=4_000)
 
