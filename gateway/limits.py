@@ -258,7 +258,7 @@ def install_limits(app: FastAPI, settings: GatewaySettings) -> None:
     limiter = RateLimiter(settings.rate_limit_rpm, settings.rate_limit_tpm, redis_url=settings.redis_url)
     max_active = settings.max_concurrent_streams
     if max_active is None:  # the default: from this machine's cores (gateway/stream_slots.py)
-        max_active = auto_stream_slots(settings.backend_threads)
+        max_active = auto_stream_slots(settings.backend_threads, settings.max_choices)
     slots = StreamSlots(
         max_active,
         settings.max_queued_streams,

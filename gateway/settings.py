@@ -98,8 +98,8 @@ class GatewaySettings(BaseSettings):
     rate_limit_tiktoken_file: str | None = None
     #: largest request body accepted (413 above it, before parsing); 0 = no limit
     max_body_bytes: int = Field(default=8 * 2**20, ge=0)
-    #: choices decoding at once, over all generation requests (streamed or not; ``n=16`` holds 16); None: 16
-    #: per CPU core, at most ``backend_threads`` (gateway/stream_slots.py); 0 = no limit
+    #: choices decoding at once, over all generation requests (streamed or not; ``n=16`` holds 16); None: 8
+    #: per CPU core, at most ``backend_threads``, at least ``max_choices`` (gateway/stream_slots.py); 0 = none
     max_concurrent_streams: int | None = Field(default=None, ge=0)
     #: requests that may wait for slots (503 + Retry-After beyond), and for how long at most
     max_queued_streams: int = Field(default=32, ge=0)

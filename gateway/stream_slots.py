@@ -7,12 +7,14 @@ for more than there are). ``StreamLimitMiddleware`` takes one slot for every gen
 route parses it, and holds what the request holds until its last byte is sent; the route, once it knows the
 request's choices, grows that to their count (``hold_choices``).
 
-The default (``auto_stream_slots``): 16 choices per CPU core, at most ``backend_threads``. Each running
-choice costs the gateway's CPU every token (sampling over the vocabulary, a grammar's mask, detokenizing,
-the SSE frame: ~1-2 ms for a 49k vocabulary here) while a swarm step takes tens of milliseconds, so a core
-keeps ~16 choices at full speed; past that every stream slows together (the audit saw a 7 s gap in an
-innocent stream beside 200 chats), and waiting in line is the better answer. Each step in flight holds one
-backend thread, so there is no point in more choices than threads.
+The default (``auto_stream_slots``): 8 choices per CPU core, at most ``backend_threads`` (each step in
+flight holds one), at least ``max_choices`` (so the largest ``n`` the gateway accepts fits). Every running
+choice costs the gateway's CPU each token — sampling over the vocabulary, a grammar's mask, detokenizing,
+the SSE frame, in threads that share one GIL with the event loop — and past a few per core every stream
+slows together: 200 concurrent chats beside one innocent stream (the audit's 7 s gap), 2-core machine,
+tiny model in-process, the event loop's largest lag was 0.08 s with 4 slots, 0.34 s with 16, 1.6 s with 32
+and 1.2-1.7 s unlimited (64 threads); the 200 chats also finished sooner with 4 slots (25.5 s) than
+unlimited (38 s). Waiting in line is the better answer.
 """
 
 from __future__ import annotations
@@ -42,16 +44,17 @@ __all__ = [
     "hold_choices",
 ]
 
-#: choices one CPU core of the gateway keeps decoding at full speed (module docstring)
-CHOICES_PER_CORE = 16
+#: choices one CPU core of the gateway keeps decoding without stalling the others (module docstring)
+CHOICES_PER_CORE = 8
 _HOLD_STATE_KEY = "swarmserve.slot_hold"
 
 
-def auto_stream_slots(backend_threads: int, cores: int | None = None) -> int:
-    """The default number of stream slots: ``CHOICES_PER_CORE`` per core, at most ``backend_threads``."""
+def auto_stream_slots(backend_threads: int, max_choices: int = 1, cores: int | None = None) -> int:
+    """The default number of stream slots: ``CHOICES_PER_CORE`` per core, at most ``backend_threads``, at
+    least ``max_choices``."""
     if cores is None:
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return max(1, min(backend_threads, CHOICES_PER_CORE * cores))
+    return max(1, max_choices, min(backend_threads, CHOICES_PER_CORE * cores))
 
 
 class StreamsSaturatedError(ServiceUnavailableError):

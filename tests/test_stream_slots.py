@@ -1,6 +1,7 @@
 """``--max-concurrent-streams`` counts choices (issue 35): a request with ``n=4`` holds 4 slots, one asking
 for more choices than there are slots is a 400 naming ``n``, the line is first come first served by weight,
-and the default comes from the machine (16 choices per core, at most the backend threads)."""
+and the default comes from the machine (8 choices per core, at most the backend threads, at least the
+largest ``n``)."""
 
 from __future__ import annotations
 
@@ -27,12 +28,14 @@ from tests.gateway_fixtures import (
 HELLO = [{"role": "user", "content": "Hello there"}]
 
 
-def test_auto_default_is_16_choices_per_core_at_most_the_backend_threads() -> None:
+def test_auto_default_is_8_choices_per_core_within_threads_and_choices() -> None:
     assert GatewaySettings().max_concurrent_streams is None
-    assert auto_stream_slots(64, cores=2) == 2 * CHOICES_PER_CORE == 32
-    assert auto_stream_slots(64, cores=16) == 64
+    assert auto_stream_slots(64, 16, cores=4) == 4 * CHOICES_PER_CORE == 32
+    assert auto_stream_slots(64, 16, cores=16) == 64  # no more choices than backend threads
+    assert auto_stream_slots(64, 16, cores=1) == 16  # the largest n accepted still fits
+    settings = GatewaySettings()
     slots: StreamSlots = shared_gateway().server.app.state.stream_slots
-    assert slots.max_active == auto_stream_slots(GatewaySettings().backend_threads)
+    assert slots.max_active == auto_stream_slots(settings.backend_threads, settings.max_choices)
 
 
 async def test_weights_wait_in_line_first_come_first_served() -> None:

@@ -180,8 +180,8 @@ def add_limit_flags(p: argparse.ArgumentParser) -> None:
         "--max-concurrent-streams",
         type=int,
         default=None,
-        help="choices decoding at once, streamed or not; n=16 takes 16 (default: 16 per CPU core, at most "
-        "backend threads; 0: no limit)",
+        help="choices decoding at once, streamed or not; n=16 takes 16 (default: 8 per CPU core, at most "
+        "backend threads, at least max choices; 0: no limit)",
     )
     g.add_argument("--max-queued", type=int, default=None, help="streams waiting for a slot (503 beyond)")
 
