@@ -7,6 +7,7 @@ import contextlib
 from collections.abc import Iterator
 
 from swarmserve.launcher import ChildProcess, LocalSwarm, WorkerProcess, child_env
+from swarmserve.processes import wait_ready
 
 __all__ = ["Proc", "Swarm", "WorkerProcess", "greedy_route", "greedy_session", "spawn", "swarm"]
 
@@ -31,11 +32,13 @@ class Swarm(LocalSwarm):
 
 
 @contextlib.contextmanager
-def swarm(model_path: str, spans: list[str], *extra: str) -> Iterator[Swarm]:
+def swarm(model_path: str, spans: list[str], *extra: str, timeout: float = 180.0) -> Iterator[Swarm]:
+    """A DHT and one worker per span, started together (their imports overlap: a 2-worker swarm is ready in
+    about the time of one worker's start, not two), ready when every worker is."""
     s = Swarm(model_path)
     try:
-        for span in spans:
-            s.add_worker(*extra, blocks=span)
+        started = [s.add_worker(*extra, blocks=span, wait=False) for span in spans]
+        wait_ready(started, timeout)
         yield s
     finally:
         s.close()
