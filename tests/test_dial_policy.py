@@ -8,7 +8,8 @@ import ipaddress
 from hivemind.utils.multiaddr import Multiaddr
 
 from worker.check_limits import CheckLimiter
-from worker.dial_policy import choose_dial, dialable, local_networks
+from worker.dial_policy import choose_dial, dialable, local_networks, resolve_hosts
+from worker.reachability_service import parse_caller_maddrs
 
 ip = ipaddress.ip_address
 LAN = ipaddress.ip_network("10.1.0.0/24")
@@ -96,3 +97,19 @@ def test_per_peer_interval_and_concurrency() -> None:
     assert limits.admit("a", "h1").startswith("rate_limited: one check per 10 s")
     clock.now += 10
     assert limits.admit("a", "h1") is None
+
+
+async def test_a_circuit_is_judged_by_its_relays_address() -> None:
+    relay, me = "QmYyQSo1c1Ym7orWxLYvCrM2EmxFTANf8wXmmE7DWjhx5N", "QmcgpsyWgH8Y8ajJz1Cu72KnS5uo2Aa2LpzU7kinSupNKC"
+    public = parse_caller_maddrs([f"/ip4/11.231.0.1/tcp/5/p2p/{relay}/p2p-circuit"], me)
+    lan = parse_caller_maddrs([f"/ip4/10.1.0.1/tcp/5/p2p/{relay}/p2p-circuit"], me)
+    assert choose_dial(await resolve_hosts(public, dns=False), PUBLIC_CALLER, NETS) is not None
+    assert choose_dial(await resolve_hosts(lan, dns=False), [ip("10.1.0.100")], NETS) is not None
+    assert choose_dial(await resolve_hosts(lan, dns=False), PUBLIC_CALLER, NETS) is None
+
+
+async def test_dns_names_are_judged_by_the_address_they_resolve_to() -> None:
+    (resolved,) = await resolve_hosts([Multiaddr("/dns4/localhost/tcp/7")])
+    assert str(resolved[0]) == "/ip4/127.0.0.1/tcp/7"
+    assert choose_dial([resolved], PUBLIC_CALLER, NETS) is None
+    assert await resolve_hosts([Multiaddr("/dns4/localhost/tcp/7")], dns=False) == []
