@@ -41,7 +41,7 @@ from gateway.responses_schema import (
 from gateway.responses_store import ResponseStore, StoredResponse
 from gateway.responses_tools import plan_response_tools
 from gateway.sampling import SamplingParams, choice_seed
-from gateway.serving import _chat_grammar
+from gateway.serving import chat_grammar
 
 logger = logging.getLogger(__name__)
 
@@ -143,7 +143,7 @@ class Turn:
         ``text.format``'s grammar (None: free text)."""
         chat = ChatCompletionRequest.model_construct(messages=[], response_format=response_format_of(self.req.text))
         try:
-            return await _chat_grammar(self.engine, chat, self.plan)
+            return await chat_grammar(self.engine, chat, self.plan)
         except InvalidRequestError as exc:  # it speaks of chat's response_format; here it is text.format
             message = exc.message.replace("response_format", "text.format")
             param = "text.format" if exc.param == "response_format" else exc.param
@@ -156,9 +156,8 @@ class Turn:
         return await self.engine.special_token_id(self.plan.fmt.opener or "<|python_tag|>") is not None
 
     def stop(self) -> list[str]:
-        """Stop strings the tool plan adds, as chat's (a free reply limited to one call ends at its closer;
-        read through ``getattr`` while ``ToolPlan.stop`` is new)."""
-        return list(getattr(self.plan, "stop", None) or ())
+        """Stop strings the tool plan adds, as chat's (a free reply limited to one call ends at its closer)."""
+        return self.plan.stop if self.plan is not None else []
 
     def sampling(self, constraint: Any) -> SamplingParams:
         return sampling_params(self.engine, self.req, choice_seed(self.req.seed, 0), constraint)

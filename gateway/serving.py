@@ -57,7 +57,7 @@ from gateway.tool_calling import ToolPlan, plan_tools
 from gateway.tool_grammar import tool_call_grammar
 from gateway.tool_parser import parse_tool_calls
 
-__all__ = ["create_chat_completion", "create_completion"]
+__all__ = ["chat_grammar", "create_chat_completion", "create_completion"]
 
 
 async def create_chat_completion(engine: Engine, req: ChatCompletionRequest, request: Request) -> Response:
@@ -81,7 +81,7 @@ async def create_chat_completion(engine: Engine, req: ChatCompletionRequest, req
     prompt = await engine.render_chat(messages, native_tools, requested=requested)
     max_tokens = engine.max_tokens_for(len(prompt), requested, param="messages")
     stop = stop_list(req.stop) + (tools.stop if tools is not None else [])
-    grammar = await _chat_grammar(engine, req, tools)
+    grammar = await chat_grammar(engine, req, tools)
     keep_special = tools is not None and await engine.special_token_id(fmt.opener or "<|python_tag|>") is not None
     engine.speculators.check(req.speculation)
     reference = await engine.prediction_ids(prediction_text(req.prediction))
@@ -246,7 +246,7 @@ def _reject_unsupported_chat(req: ChatCompletionRequest) -> None:
         raise UnsupportedParameterError("reasoning_effort", "is not supported with this model")
 
 
-async def _chat_grammar(engine: Engine, req: ChatCompletionRequest, tools: ToolPlan | None) -> Any:
+async def chat_grammar(engine: Engine, req: ChatCompletionRequest, tools: ToolPlan | None) -> Any:
     """The constraint factory of a chat request: calls when ``tool_choice`` demands them (the reply is calls,
     so ``response_format`` has nothing to shape), else ``response_format``'s (None: free text)."""
     if tools is not None and tools.forced:
