@@ -50,7 +50,6 @@ from gateway.request_parts import (
 )
 from gateway.route_info import RouteInfo
 from gateway.sampling import choice_seed
-from gateway.schema_limits import check_tool_schemas
 from gateway.stream_slots import hold_choices
 from gateway.streaming import ChatChunkBuilder, CompletionChunkBuilder, event_stream
 from gateway.tool_calling import ToolPlan, plan_tools
@@ -65,8 +64,6 @@ async def create_chat_completion(engine: Engine, req: ChatCompletionRequest, req
     _reject_unsupported_chat(req)
     fmt = engine.tool_format
     tools = plan_tools(req, fmt)  # None: no tool in play
-    if tools is not None and tools.forced:  # their schemas make a grammar: a 400 naming a size limit first
-        check_tool_schemas(tools.tools, {f["name"] for f in tools.functions})
     messages = chat_messages(req.messages, fmt, tools)
     n = count_choices(engine, req.n, 1)
     await hold_choices(request, n)  # a stream slot per choice (gateway/stream_slots.py)

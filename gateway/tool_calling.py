@@ -20,6 +20,7 @@ from typing import Any, Literal
 
 from gateway.errors import InvalidRequestError, UnsupportedParameterError
 from gateway.openai_schema import ChatCompletionRequest
+from gateway.schema_limits import check_tool_schemas
 from gateway.tool_formats import ToolFormat
 from gateway.tool_parser import ToolCallParser
 
@@ -90,7 +91,10 @@ def plan_tools(req: ChatCompletionRequest, fmt: ToolFormat) -> ToolPlan | None:
     if mode == "none" or not tools:
         return None
     parallel = req.parallel_tool_calls is not False and mode != "named"
-    return ToolPlan(fmt, tools, mode, named, parallel)
+    plan = ToolPlan(fmt, tools, mode, named, parallel)
+    if plan.forced:  # their schemas make a grammar: a 400 naming a size limit before anything else runs
+        check_tool_schemas(plan.tools, {f["name"] for f in plan.functions})
+    return plan
 
 
 def _choice(choice: str | dict[str, Any] | None, names: set[str]) -> tuple[ToolMode | Literal["none"], str | None]:

@@ -238,3 +238,12 @@ def test_grammar_engine_is_warmed_up_at_start(gw: Gateway) -> None:
     """The tokenizer is built once, in a thread started with the engine, before the app serves."""
     structured = gw.server.app.state.engine.structured
     assert structured.ready.is_set() and structured._tokenizer is not None
+
+
+def test_forced_tools_past_the_limit_on_the_responses_api(gw: Gateway) -> None:
+    tools = [{"type": "function", "name": f"f{i}", "parameters": props(60)} for i in range(128)]
+    body = {"input": "Call one.", "max_output_tokens": 8, "tool_choice": "required", "tools": tools}
+    with gw.http() as http:
+        r = http.post("/v1/responses", json=body)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == "tools" and r.json()["error"]["code"] == "schema_too_large"
