@@ -24,6 +24,7 @@ import pathlib
 import re
 import shutil
 import tempfile
+import time
 from dataclasses import dataclass
 
 logger = logging.getLogger(__name__)
@@ -159,15 +160,22 @@ def _convert_cached(model_id: str, gguf: pathlib.Path, root: pathlib.Path) -> pa
         with FileLock(str(lock_path), timeout=LOCK_TIMEOUT_S):
             if _is_complete(target):
                 return target
-            logger.warning(
-                "converting %s from %s into %s (once; about a minute)", model_id, gguf.name, target
+            # expected on a first run, not a problem: INFO, saying what happens and for how long
+            logger.info(
+                "first run: converting %s from its packaged GGUF (%s) to safetensors in %s; this happens "
+                "once and takes about a minute, later starts reuse it",
+                model_id,
+                gguf.name,
+                target,
             )
+            began = time.monotonic()
             tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=root))
             try:
                 convert_gguf(gguf, tmp, model_id)
                 _publish(tmp, target)
             finally:
                 shutil.rmtree(tmp, ignore_errors=True)
+            logger.info("converted %s in %.0f s", model_id, time.monotonic() - began)
     except Timeout as exc:
         raise ModelNotFoundError(
             f"waited {LOCK_TIMEOUT_S:.0f} s for another process converting {model_id} (lock {lock_path}); "

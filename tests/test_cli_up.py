@@ -142,7 +142,7 @@ class Up:
     base_url: str
     dht_maddr: str
     model_dir: str
-    status_command: list[str]
+    status_line: str
 
 
 @pytest.fixture(scope="module")
@@ -185,8 +185,8 @@ def up(tiny_llama: str, lora: tuple[str, str]) -> Iterator[Up]:
         base_url = cli.wait_for(URL_LINE, START_TIMEOUT).group(1)
         assert base_url == f"http://127.0.0.1:{port}/v1"
         cli.wait_for(re.compile(r"curl -N "), 5)
-        status_line = cli.wait_for(re.compile(r"^\s*swarmserve (status .*)$"), 5).group(1)
-        yield Up(cli, base_url, dht, tiny_llama, shlex.split(status_line))
+        status_line = cli.wait_for(re.compile(r"^\s+(\S.* status --initial-peers .*)$"), 5).group(1)
+        yield Up(cli, base_url, dht, tiny_llama, status_line)
     finally:
         if cli.popen.poll() is None:  # the last test did not get to stop it: still stop it cleanly
             cli.popen.send_signal(signal.SIGINT)
@@ -230,8 +230,9 @@ def test_up_serves_its_lora_adapter_as_a_model(up: Up, lora: tuple[str, str]) ->
 
 
 def test_status_against_a_running_swarm(up: Up) -> None:
-    assert up.status_command == ["status", "--initial-peers", up.dht_maddr, "--model", up.model_dir]
-    ok = _run(*up.status_command)  # exactly what `up` told the user to run
+    command = shlex.split(up.status_line)
+    assert command[-5:] == ["status", "--initial-peers", up.dht_maddr, "--model", up.model_dir]
+    ok = _run(*command[-5:])
     assert ok.returncode == 0, ok.stdout + ok.stderr
     assert "fully covered" in ok.stdout
     rows = [line.split() for line in ok.stdout.splitlines() if re.search(r" \d+:\d+ +ONLINE ", line)]
@@ -241,6 +242,33 @@ def test_status_against_a_running_swarm(up: Up) -> None:
     gap = _run("status", "--initial-peers", up.dht_maddr, "--dht-prefix", "tiny-llama", "--num-blocks", "6")
     assert gap.returncode == 1, gap.stdout + gap.stderr
     assert "NOT COVERED: blocks 4..5" in gap.stdout
+
+
+def test_status_command_works_as_pasted_into_a_new_shell(up: Up, tmp_path: Path) -> None:
+    """Issue 36: the status command `up` prints works in a new terminal, where the virtual environment
+    `up` runs from is not active (no `swarmserve` on PATH), from any directory."""
+    assert os.path.isabs(shlex.split(up.status_line)[0]), up.status_line
+    path = os.pathsep.join(d for d in os.defpath.split(os.pathsep) if d and not shutil.which("swarmserve", path=d))
+    env = {"PATH": path, "HOME": os.environ.get("HOME", str(tmp_path)), "HF_HUB_OFFLINE": "1"}
+    assert subprocess.run(["bash", "-c", "command -v swarmserve"], env=env, capture_output=True).returncode != 0
+    pasted = subprocess.run(
+        ["bash", "-c", up.status_line], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=120
+    )
+    assert pasted.returncode == 0, pasted.stdout + pasted.stderr
+    assert "fully covered" in pasted.stdout and re.search(r" 0:2 +ONLINE ", pasted.stdout), pasted.stdout
+
+
+def test_up_shows_one_model_name(up: Up) -> None:
+    """Issue 36: the name `up` prints is the one /v1/models, /health and answers use (a model served by
+    its path: the directory's name); the path still selects it."""
+    assert "(model: 'tiny-llama')" in up.cli.output
+    assert '"model": "tiny-llama"' in next(line for line in up.cli.lines if "curl -N " in line)
+    client = openai.OpenAI(base_url=up.base_url, api_key="x", timeout=30, max_retries=0)
+    assert client.models.list().data[0].id == "tiny-llama"
+    health = httpx.get(up.base_url.removesuffix("/v1") + "/health", timeout=10)
+    assert health.json()["model"] == "tiny-llama"
+    r = client.chat.completions.create(model=up.model_dir, messages=HELLO, max_tokens=2)
+    assert r.model == "tiny-llama"
 
 
 def test_gateway_command_joins_the_swarm(up: Up) -> None:

@@ -6,7 +6,6 @@ import asyncio
 import contextlib
 import logging
 import random
-import signal
 import tempfile
 import time
 from typing import AsyncIterator  # noqa: UP035 - as in hivemind's stream signatures
@@ -192,6 +191,11 @@ class BlockServer:
     def request_stop(self) -> None:
         self._stop.set()
 
+    @property
+    def stopping(self) -> bool:
+        """A stop was asked for (SIGTERM / SIGINT)."""
+        return self._stop.is_set()
+
     async def _push(self, peer_id: str, requests: AsyncIterator[runtime_pb2.ExpertRequest]) -> None:
         """Server-to-server push: stream a session's step outputs to the next server of a client's chain."""
         if self._p2p is None:
@@ -373,19 +377,3 @@ class BlockServer:
             "state": self.state.name,
             "throughput": self.throughput,
         }
-
-
-def run_worker(cfg: WorkerConfig) -> None:
-    async def main() -> None:
-        server = BlockServer(cfg)
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, server.request_stop)
-        try:
-            await server.run()
-        finally:  # a worker that dies of an exception must not leave its DHT process (and p2pd) orphaned
-            await server.checker.close()
-            if server.dht is not None and server.dht.is_alive():
-                server.dht.shutdown()
-
-    asyncio.run(main())

@@ -15,6 +15,7 @@ import sys
 
 from swarmserve import __version__
 from swarmserve.cli import dht, gateway, status, tiny_model, up, worker
+from swarmserve.cli.common import exit_now
 
 __all__ = ["build_parser", "main"]
 
@@ -54,6 +55,10 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(
         level=getattr(logging, args.log_level, logging.INFO),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        datefmt=getattr(args, "log_datefmt", None),  # `up`: HH:MM:SS, as its own lines
         stream=sys.stderr,
     )
-    return int(args.func(args, rest) or 0)
+    code = int(args.func(args, rest) or 0)
+    if getattr(args, "exit_now", False):
+        exit_now(code)
+    return code

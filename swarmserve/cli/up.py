@@ -13,9 +13,15 @@ import json
 import shlex
 import socket
 import time
-from pathlib import Path
 
-from swarmserve.cli.common import DEFAULT_MODEL, add_listen_flags, require_gateway_extra, stop_on_signals, subcommand
+from swarmserve.cli.common import (
+    DEFAULT_MODEL,
+    add_listen_flags,
+    require_gateway_extra,
+    stop_on_signals,
+    subcommand,
+    swarmserve_command,
+)
 from swarmserve.cli.gateway import (
     add_client_flags,
     add_limit_flags,
@@ -53,11 +59,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     add_client_flags(p)
     add_speculation_flags(p)
     add_limit_flags(p)
-    p.set_defaults(func=run)
+    p.set_defaults(func=run, exit_now=True, log_datefmt="%H:%M:%S")
 
 
 def say(message: str) -> None:
-    print(f"{UP_PREFIX} {message}", flush=True)
+    """One line of ``up``'s own, stamped ``HH:MM:SS`` (its log lines carry the same clock)."""
+    print(f"{time.strftime('%H:%M:%S')} {UP_PREFIX} {message}", flush=True)
 
 
 def port_in_use(host: str, port: int) -> str | None:
@@ -85,8 +92,9 @@ def curl_example(base_url: str, model: str) -> str:
 
 
 def status_example(maddr: str, model: str) -> str:
-    """The ``swarmserve status`` command for this swarm, ready to paste."""
-    return f"swarmserve status --initial-peers {maddr} --model {shlex.quote(model)}"
+    """The ``swarmserve status`` command for this swarm, ready to paste into any shell (a new terminal has
+    no virtual environment active, so the command names the ``swarmserve`` this one runs from)."""
+    return f"{swarmserve_command()} status --initial-peers {maddr} --model {shlex.quote(model)}"
 
 
 def run(args: argparse.Namespace, rest: list[str]) -> int:
@@ -115,6 +123,7 @@ def run(args: argparse.Namespace, rest: list[str]) -> int:
 
 
 def _serve(args: argparse.Namespace, swarm, stop) -> int:
+    from gateway.adapters import public_model_id
     from gateway.run import GatewayConfig, quiet_http_logs, serving_gateway
     from gateway.settings import GatewaySettings
     from swarm_client.model_source import ModelNotFoundError, resolve_model_path
@@ -179,7 +188,7 @@ def _serve(args: argparse.Namespace, swarm, stop) -> int:
         say(f"trust policy: only {', '.join(settings.trusted_peers)} may serve the first and the last block")
     cfg = GatewayConfig(settings, dht_prefix=swarm.prefix, client_options=client_options(args, settings))
     with serving_gateway(cfg, dht=swarm.dht, log_level="warning") as (server, _backend):
-        served_name = Path(str(args.model).rstrip("/")).name
+        served_name = public_model_id(args.model)  # the name /v1/models and every answer show
         say(f"gateway ready; OpenAI base URL: {server.base_url}  (model: {served_name!r})")
         if adapters:
             say("LoRA adapters, each a model: " + ", ".join(f"{served_name}:{name}" for name in adapters))

@@ -1,4 +1,4 @@
-"""``swarmserve worker``: serve a span of transformer blocks to the swarm (``worker.server.run_worker``).
+"""``swarmserve worker``: serve a span of transformer blocks to the swarm (``worker.run.run_worker``).
 
 Imports only the library and the block server: a volunteer's install needs no web stack."""
 
@@ -145,7 +145,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         metavar="KIND[:AFTER]",
         help=f"testing only: misbehave after AFTER inference steps (KIND: {FAULTS})",
     )
-    p.set_defaults(func=run)
+    p.set_defaults(func=run, exit_now=True)
 
 
 def run(args: argparse.Namespace, rest: list[str]) -> int:
@@ -153,7 +153,8 @@ def run(args: argparse.Namespace, rest: list[str]) -> int:
 
     from swarm_client.config import parse_initial_peers
     from swarm_client.lora import parse_adapter_specs
-    from worker.server import WorkerConfig, run_worker
+    from worker.config import WorkerConfig
+    from worker.run import run_worker
 
     try:  # fail before loading anything: a wrong address would announce a server nobody reaches
         announced_maddrs(args.public_ip, args.port, args.announce_maddrs)
