@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from swarm_client import protocol
 from swarm_client.errors import (
     CacheExhaustedError,
     InvalidInputError,
@@ -108,6 +109,17 @@ async def open_span(
                 raise
 
 
+async def replay_into(session: _ServerSession, inputs: torch.Tensor, timeout: float) -> torch.Tensor:
+    """Feed a span's history ``inputs [batch, length, hidden]`` to a new server session from position 0, in
+    steps no longer than one step may be (``protocol.step_tokens``: a server refuses a longer one, as it would
+    the prefill that built this history), and return the span's outputs for all of it."""
+    size = protocol.step_tokens(inputs)
+    outputs = [
+        await session.step(inputs[:, start : start + size], start, timeout) for start in range(0, inputs.shape[1], size)
+    ]
+    return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)
+
+
 async def replace_span(
     manager: SequenceManager,
     failed: RouteHop,
@@ -141,7 +153,7 @@ async def replace_span(
                 history = HistoryBuffer()
                 if replay is not None:
                     history.write(0, replay)
-                    replay = await session.step(replay, 0, config.step_timeout)
+                    replay = await replay_into(session, replay, config.step_timeout)
                 histories.append(history)
             return sessions, histories
         except CALLER_ERRORS:

@@ -63,6 +63,17 @@ MAX_STEP_BYTES = 2**21
 #: the most tokens (batch × length) one inference step may carry: servers refuse more (one step holds the
 #: compute thread, and every other session, for its whole duration), clients split prefills below it
 MAX_STEP_TOKENS = 1024
+
+
+def step_tokens(hidden: torch.Tensor) -> int:
+    """How many positions of ``hidden [batch, length, hidden]`` one inference step may carry: within
+    ``MAX_STEP_BYTES`` and ``MAX_STEP_TOKENS`` (batch × length), at least one. Every sender of a long input — a
+    prefill, a failover's replay — steps it in pieces of this length."""
+    batch = max(1, hidden.shape[0])
+    position_bytes = max(1, hidden[0, 0].numel() * hidden.element_size() * batch)
+    return max(1, min(MAX_STEP_BYTES // position_bytes, MAX_STEP_TOKENS // batch))
+
+
 #: an inference step may carry ``batch_group`` (an int below this): the client's pipeline group, which servers
 #: batch one at a time (``ClientConfig.pipeline_groups``, worker/batcher.py)
 MAX_PIPELINE_GROUPS = 64

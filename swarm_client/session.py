@@ -147,13 +147,7 @@ class InferenceSession:
             )
         if not self._hops:  # opened here, the opens travel with the first step: one round trip, not two
             await self._build_chain(0, self.start, self.end, wait=False)
-        chunk = max(
-            1,
-            min(
-                protocol.MAX_STEP_BYTES // max(1, hidden[0, 0].numel() * hidden.element_size() * self.batch_size),
-                protocol.MAX_STEP_TOKENS // self.batch_size,
-            ),
-        )
+        chunk = protocol.step_tokens(hidden)
         outputs = []
         for offset in range(0, length, chunk):
             piece = hidden[:, offset : offset + chunk]

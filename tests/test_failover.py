@@ -107,6 +107,33 @@ def test_orphaned_p2p_daemon_does_not_stall_the_step(kill_swarm, reference):
     s.add_worker(blocks="1:3")
 
 
+def test_a_replay_longer_than_one_step_is_sent_in_steps(kill_swarm, local_llama):
+    """A span's history longer than one step may carry (``MAX_STEP_TOKENS``): the replacement server gets it in
+    several steps, as the prefill was sent (issue 40: the replay went as one step, which every server refuses
+    with "split the prefill into several steps", and Open WebUI's 7k-token chats died on a slow server)."""
+    from swarm_client import protocol
+
+    s, model = kill_swarm
+    prompt = torch.randint(5, 200, (1, protocol.MAX_STEP_TOKENS + 200), generator=torch.Generator().manual_seed(4))
+    new_tokens = 6
+    expected = local_llama.generate(prompt, max_new_tokens=new_tokens, do_sample=False)[0, prompt.shape[1] :]
+    tokens, killed = [], None
+    with model.inference_session(max_length=prompt.shape[1] + new_tokens) as session:
+        logits = model(prompt, session=session).logits
+        for step in range(new_tokens):
+            token = logits[:, -1].argmax(-1, keepdim=True)
+            tokens.append(int(token))
+            if step == 2:
+                middle = next(h for h in session.route if h.start <= 1 < h.end)
+                worker_by_peer(s, middle.peer_id).kill()
+                killed = middle.peer_id
+            if step + 1 < new_tokens:
+                logits = model(token, session=session).logits
+    assert tokens == expected.tolist()
+    assert session.failovers >= 1 and killed not in {h.peer_id for h in session.route}
+    s.add_worker(blocks="1:3")
+
+
 def test_all_replicas_of_a_span_gone_names_the_missing_blocks(kill_swarm):
     s, model = kill_swarm
     for worker in s.workers:
