@@ -2,10 +2,11 @@
 the workers killed after 15 s without stopping).
 
 Each test runs ``swarmserve up`` as a user does — default flags, its own process group, a real SIGINT —
-and times the exit. The workers exit promptly because they stop at any phase (a signal during start-up
-abandons the load) and skip the interpreter's teardown once their DHT is shut (``swarmserve.cli.common
-.exit_now``). Measured on the shared 2-core machine at load 12-15: 1.1-1.3 s idle, and torch's
-``torch_shm_manager`` helpers (hivemind's shared-memory futures) leave on their own within ~3 s after.
+and times the exit (the last one a ``swarmserve worker`` alone, stopped mid-load). The workers exit
+promptly because they stop at any phase (a signal during start-up abandons the load) and skip the
+interpreter's teardown once their DHT is shut (``swarmserve.cli.common.exit_now``). Measured on the shared
+2-core machine at load 12-15: 1.1-1.3 s idle, and torch's ``torch_shm_manager`` helpers (hivemind's
+shared-memory futures) leave on their own within ~3 s after.
 """
 
 from __future__ import annotations
@@ -137,3 +138,26 @@ def test_ctrl_c_during_the_first_run_conversion(tmp_path: Path) -> None:
     check_stopped(cli, code, took, alive)
     assert "interrupted while preparing the model" in cli.output, cli.output
     assert [p.name for p in tmp_path.iterdir() if not p.name.endswith(".lock")] == []
+
+
+@pytest.mark.slow
+def test_a_worker_stopped_while_loading_leaves_at_once(smollm2_path: str) -> None:
+    """SIGTERM while the blocks load: the worker abandons the load (it used to finish it, announce ONLINE,
+    then drain: 3 s here) and never tells the swarm it is ready."""
+    env = child_env(extra={"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"})
+    dht = ChildProcess.spawn("dht", ["dht"], env)
+    try:
+        maddr = dht.wait_for("initial_peers:", START_TIMEOUT).split()[1]
+        worker = ChildProcess.spawn("worker", ["worker", "--model", smollm2_path, "--initial-peers", maddr], env)
+        try:
+            worker.wait_for(re.compile(r"loaded block 3 "), START_TIMEOUT)
+            began = time.monotonic()
+            worker.popen.send_signal(signal.SIGTERM)
+            assert worker.popen.wait(30) == 0, worker.output
+            took = time.monotonic() - began
+            assert took <= STOP_BUDGET_S, f"{took:.1f} s:\n{worker.output}"
+            assert "stopped before it was ready" in worker.output and "worker ready" not in worker.output
+        finally:
+            worker.kill()
+    finally:
+        dht.stop(timeout=5)
