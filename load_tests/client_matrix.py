@@ -42,8 +42,9 @@ def _openai(url: str, model: str) -> dict[str, Callable[[], str]]:
     import openai
 
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", timeout=300, max_retries=0)
-    schema = {"type": "json_schema", "json_schema": {"name": "person", "schema": Person.model_json_schema(), "strict": True}}
-    tool = {"type": "function", "function": {"name": "save", "parameters": Person.model_json_schema(), "strict": True}}
+    person = Person.model_json_schema()
+    schema = {"type": "json_schema", "json_schema": {"name": "person", "schema": person, "strict": True}}
+    tool = {"type": "function", "function": {"name": "save", "parameters": person, "strict": True}}
 
     def json_schema_speculating() -> str:
         bad = 0
