@@ -50,6 +50,22 @@ def tiny_llama(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="session")
+def calm_swarm_gateway(tiny_llama: str) -> Iterator:
+    """A gateway over a real 2-worker swarm of the tiny model, with default settings, shared by every module
+    that only sends it requests (structured outputs, tool calls, speculation under grammars, agent frameworks):
+    one swarm started for all of them instead of one per module. Tests that stop, freeze or reconfigure
+    servers keep swarms of their own."""
+    from tests.gateway_fixtures import swarm_gateway
+    from tests.swarm_fixtures import swarm
+
+    with (
+        swarm(tiny_llama, ["0:2", "2:4"], "--throughput", "1000") as s,
+        swarm_gateway(tiny_llama, s.initial_peers) as gw,
+    ):
+        yield gw
+
+
+@pytest.fixture(scope="session")
 def local_llama(tiny_llama):
     import torch
     from transformers import AutoModelForCausalLM

@@ -11,14 +11,12 @@ SDK's tracing (which would upload to OpenAI) is turned off.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Annotated, Literal
 
 import pytest
 from pydantic import BaseModel, ConfigDict, Field
 
-from tests.gateway_fixtures import REQUEST_TIMEOUT_S, Gateway, swarm_gateway
-from tests.swarm_fixtures import swarm
+from tests.gateway_fixtures import REQUEST_TIMEOUT_S, Gateway
 
 pytestmark = pytest.mark.slow
 
@@ -45,12 +43,8 @@ class Person(BaseModel):
 
 
 @pytest.fixture(scope="module")
-def gw(tiny_llama: str) -> Iterator[Gateway]:
-    with (
-        swarm(tiny_llama, ["0:2", "2:4"], "--throughput", "1000") as s,
-        swarm_gateway(tiny_llama, s.initial_peers) as gw,
-    ):
-        yield gw
+def gw(calm_swarm_gateway: Gateway) -> Gateway:
+    return calm_swarm_gateway
 
 
 def test_instructor_tools_and_json_schema_modes(gw: Gateway) -> None:

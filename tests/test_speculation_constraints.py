@@ -154,12 +154,8 @@ def test_guesses_the_grammar_forbids_are_not_sent(gw: Gateway) -> None:
 
 
 @pytest.fixture(scope="module")
-def swarm_gw(tiny_llama: str) -> Iterator[Gateway]:
-    with (
-        swarm(tiny_llama, ["0:2", "2:4"], "--throughput", "1000") as s,
-        swarm_gateway(tiny_llama, s.initial_peers) as gw,
-    ):
-        yield gw
+def swarm_gw(calm_swarm_gateway: Gateway) -> Gateway:
+    return calm_swarm_gateway
 
 
 @pytest.mark.slow

@@ -7,13 +7,11 @@ The model is random: left alone it writes no JSON at all, so every valid answer 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 
 import openai
 import pytest
 
-from tests.gateway_fixtures import Gateway, collect_stream, shared_gateway, swarm_gateway
-from tests.swarm_fixtures import swarm
+from tests.gateway_fixtures import Gateway, collect_stream, shared_gateway
 
 HELLO = [{"role": "user", "content": "Describe a server of the swarm as JSON."}]
 SCHEMA = {
@@ -172,12 +170,8 @@ def test_bad_schema_is_a_400_naming_response_format(
 
 
 @pytest.fixture(scope="module")
-def swarm_gw(tiny_llama: str) -> Iterator[Gateway]:
-    with (
-        swarm(tiny_llama, ["0:2", "2:4"], "--throughput", "1000") as s,
-        swarm_gateway(tiny_llama, s.initial_peers) as gw,
-    ):
-        yield gw
+def swarm_gw(calm_swarm_gateway: Gateway) -> Gateway:
+    return calm_swarm_gateway
 
 
 @pytest.mark.slow

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -17,8 +16,7 @@ import httpx
 import openai
 import pytest
 
-from tests.gateway_fixtures import Gateway, chat_prompt_ids, shared_gateway, swarm_gateway
-from tests.swarm_fixtures import swarm
+from tests.gateway_fixtures import Gateway, chat_prompt_ids, shared_gateway
 
 WEATHER = {
     "type": "function",
@@ -247,12 +245,8 @@ def test_bad_tool_requests_are_400s_naming_the_field(gw: Gateway, patch: dict, p
 
 
 @pytest.fixture(scope="module")
-def swarm_gw(tiny_llama: str) -> Iterator[Gateway]:
-    with (
-        swarm(tiny_llama, ["0:2", "2:4"], "--throughput", "1000") as s,
-        swarm_gateway(tiny_llama, s.initial_peers) as gw,
-    ):
-        yield gw
+def swarm_gw(calm_swarm_gateway: Gateway) -> Gateway:
+    return calm_swarm_gateway
 
 
 @pytest.mark.slow
