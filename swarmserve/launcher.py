@@ -24,6 +24,7 @@ from swarmserve.processes import (
     WorkerProcess,
     WorkerStartError,
     child_env,
+    forks_in_their_own_session,
     stop_processes,
     swarmserve_argv,
     wait_ready,
@@ -93,8 +94,10 @@ class LocalSwarm:
     ``dht="inline"`` runs the bootstrap DHT in this process (as ``swarmserve up`` does: a gateway here can
     reuse it as ``self.dht``; it validates the records of the model's prefix), ``"process"`` in a
     ``swarmserve dht`` child (``self.dht_process``; tests kill and restart pieces independently).
-    ``worker_args`` go to every worker; ``threads`` sets each worker's torch/BLAS threads. Always
-    ``close()`` it (or use ``with``).
+    ``worker_args`` go to every worker; ``threads`` sets each worker's torch/BLAS threads. ``own_session``
+    puts the inline DHT's process (and its p2pd) in a session of its own, as the workers are (``up``: a
+    terminal's Ctrl-C reaches only this process, which stops them in order). Always ``close()`` it (or use
+    ``with``).
     """
 
     def __init__(
@@ -109,6 +112,7 @@ class LocalSwarm:
         echo: bool = False,
         grace: float = 15.0,
         say: Say | None = None,
+        own_session: bool = False,
     ):
         from swarm_client.config import default_dht_prefix
 
@@ -122,6 +126,7 @@ class LocalSwarm:
         self.echo = echo
         self.grace = grace
         self.say = say
+        self.own_session = own_session
         self.workers: list[WorkerProcess] = []
         self.dht: Any = None
         self.dht_process: ChildProcess | None = None
@@ -138,12 +143,14 @@ class LocalSwarm:
         from swarm_client.dht_records import mark_validated, record_validators
 
         # the swarm's bootstrap node stores the servers' records: it checks their signatures and schema
-        self.dht = DHT(
-            initial_peers=[],
-            host_maddrs=["/ip4/127.0.0.1/tcp/0"],
-            record_validators=record_validators(self.prefix),
-            start=True,
-        )
+        detached = forks_in_their_own_session() if self.own_session else contextlib.nullcontext()
+        with detached:
+            self.dht = DHT(
+                initial_peers=[],
+                host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+                record_validators=record_validators(self.prefix),
+                start=True,
+            )
         mark_validated(self.dht)
         self.maddrs = [str(m) for m in self.dht.get_visible_maddrs()]
         from swarm_client import runtime

@@ -19,7 +19,8 @@ import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any, overload
 
 __all__ = [
@@ -29,6 +30,7 @@ __all__ = [
     "WorkerProcess",
     "WorkerStartError",
     "child_env",
+    "forks_in_their_own_session",
     "stop_processes",
     "swarmserve_argv",
     "wait_ready",
@@ -78,6 +80,34 @@ def _parent_death_signal() -> Callable[[], None] | None:
         prctl(pr_set_pdeathsig, signal.SIGTERM)
 
     return set_signal
+
+
+_detach_forks = False
+_set_parent_death_signal = _parent_death_signal()
+
+
+def _detach_if_asked() -> None:
+    if _detach_forks:
+        os.setsid()
+        if _set_parent_death_signal is not None:
+            _set_parent_death_signal()
+
+
+os.register_at_fork(after_in_child=_detach_if_asked)
+
+
+@contextmanager
+def forks_in_their_own_session() -> Iterator[None]:
+    """Processes forked inside (hivemind's DHT process, and with it its p2pd daemon) start a session of their
+    own, like ``ChildProcess``: a terminal's Ctrl-C, sent to its whole foreground group, reached the p2pd of
+    ``up``'s own DHT, which then could not shut down in order (3 s of grace, then killed, with an error from
+    the daemon). They still get SIGTERM if we die; we stop them ourselves, last."""
+    global _detach_forks
+    _detach_forks = True
+    try:
+        yield
+    finally:
+        _detach_forks = False
 
 
 # ---------------------------------------------------------------------------------------------- processes

@@ -107,7 +107,7 @@ def run(args: argparse.Namespace, rest: list[str]) -> int:
 
     # the DHT forks a process: before torch and transformers start threads here, and before our signal
     # handlers (its process keeps the default ones)
-    swarm = LocalSwarm(args.model, echo=args.verbose, grace=args.grace, say=say)
+    swarm = LocalSwarm(args.model, echo=args.verbose, grace=args.grace, say=say, own_session=True)
 
     def kill_workers() -> None:  # a second Ctrl-C: no more patience
         for w in swarm.workers:
