@@ -82,16 +82,16 @@ def _function_output(item: dict[str, Any], where: str, known: set[str]) -> dict[
             f"{where}.call_id: no tool call found for function call output with call_id {call_id!r}.",
             param=f"{where}.call_id",
         )
-    output = item.get("output")
-    if isinstance(output, str):
-        text = output
-    elif isinstance(output, list):
-        text = "\n".join(_part_text(part, f"{where}.output[{j}]") for j, part in enumerate(output))
-    else:
-        raise InvalidRequestError(
-            f"{where}.output: expected a string or a list of content parts.", param=f"{where}.output"
-        )
-    return {"role": "tool", "tool_call_id": call_id, "content": text}
+    return {"role": "tool", "tool_call_id": call_id, "content": _text(item.get("output"), f"{where}.output")}
+
+
+def _text(value: Any, where: str) -> str:
+    """A message's ``content`` or a call output's ``output``: a string, or content parts joined by lines."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list):
+        return "\n".join(_part_text(part, f"{where}[{j}]") for j, part in enumerate(value))
+    raise InvalidRequestError(f"{where}: expected a string or a list of content parts.", param=where)
 
 
 def _message(item: dict[str, Any], where: str) -> dict[str, Any]:
@@ -101,15 +101,7 @@ def _message(item: dict[str, Any], where: str) -> dict[str, Any]:
             f"{where}.role: expected 'user', 'system', 'developer' or 'assistant', got {role!r}.",
             param=f"{where}.role",
         )
-    content = item.get("content")
-    if isinstance(content, str):
-        text = content
-    elif isinstance(content, list):
-        text = "\n".join(_part_text(part, f"{where}.content[{j}]") for j, part in enumerate(content))
-    else:
-        raise InvalidRequestError(
-            f"{where}.content: expected a string or a list of content parts.", param=f"{where}.content"
-        )
+    text = _text(item.get("content"), f"{where}.content")
     return {"role": role, "content": text}
 
 
