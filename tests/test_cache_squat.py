@@ -97,7 +97,9 @@ class Squatter:
 
 
 def test_an_idle_squatter_does_not_keep_others_out(tiny_llama, local_llama) -> None:
-    flags = ["--cache-tokens", str(CACHE_TOKENS), "--evict-idle-after", "1"]
+    # the pressure idle timeout (30 s) is not what is tested here: on a loaded machine opening 300 streams can
+    # take longer than it, and the first ones would close before the cache is seen full
+    flags = ["--cache-tokens", str(CACHE_TOKENS), "--evict-idle-after", "1", "--pressure-idle-timeout", "600"]
     with swarm(tiny_llama, ["0:4"], *flags) as s:
         (worker,) = s.workers
         model = AutoDistributedModelForCausalLM.from_pretrained(
