@@ -10,6 +10,7 @@ from typing import Any, TypeVar
 
 from gateway.affinity_records import StoreUnavailable
 from gateway.affinity_store import AffinityStore
+from gateway.redis_client import LazyRedis
 
 logger = logging.getLogger(__name__)
 
@@ -38,28 +39,13 @@ class RedisAffinityStore(AffinityStore):
         self.url = url
         self.retry_interval_s = retry_interval_s
         self.socket_timeout_s = socket_timeout_s
-        self._client: Any = None
+        self._client = LazyRedis(url, socket_timeout_s, decode_responses=True)
         self._down = False
         self._retry_at = 0.0
 
     @property
     def available(self) -> bool:
         return not self._down
-
-    def _redis(self) -> Any:
-        if self._client is None:
-            import redis.asyncio as aioredis
-            from redis.asyncio.retry import Retry
-            from redis.backoff import NoBackoff
-
-            self._client = aioredis.Redis.from_url(
-                self.url,
-                decode_responses=True,
-                socket_timeout=self.socket_timeout_s,
-                socket_connect_timeout=self.socket_timeout_s,
-                retry=Retry(NoBackoff(), 1),
-            )
-        return self._client
 
     async def _io(self, op: Callable[[Any], Awaitable[T]]) -> T:
         """Run one Redis operation; any Redis failure (unreachable, but also OOM, READONLY, auth) makes the
@@ -69,7 +55,7 @@ class RedisAffinityStore(AffinityStore):
         if self._down and time.monotonic() < self._retry_at:
             raise StoreUnavailable(f"redis at {self.url} is unreachable")
         try:
-            result = await op(self._redis())
+            result = await op(self._client.get())
         except (RedisError, OSError) as exc:
             if not self._down:
                 logger.warning(
@@ -107,9 +93,4 @@ class RedisAffinityStore(AffinityStore):
         return bool(await self._io(lambda r: r.set(key, value, px=ttl_ms, nx=True)))
 
     async def aclose(self) -> None:
-        client, self._client = self._client, None
-        if client is not None:
-            try:
-                await client.aclose()
-            except Exception:  # closing a client whose server is gone
-                logger.debug("closing the Redis client failed", exc_info=True)
+        await self._client.aclose()

@@ -23,6 +23,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 from gateway.errors import ServiceUnavailableError
+from gateway.redis_client import LazyRedis
 from gateway.responses_store import (
     DEFAULT_MAX_ENTRY_BYTES,
     DEFAULT_MAX_PER_OWNER,
@@ -60,28 +61,13 @@ class RedisResponsesStore:
         self.max_entry_bytes = max_entry_bytes
         self.max_per_owner = max_per_owner
         self.socket_timeout_s = socket_timeout_s
-        self._client: Any = None
-
-    def _redis(self) -> Any:
-        """The client, made on the event loop of its first use (uvicorn's)."""
-        if self._client is None:
-            import redis.asyncio as aioredis
-            from redis.asyncio.retry import Retry
-            from redis.backoff import NoBackoff
-
-            self._client = aioredis.Redis.from_url(
-                self.url,
-                socket_timeout=self.socket_timeout_s,
-                socket_connect_timeout=self.socket_timeout_s,
-                retry=Retry(NoBackoff(), 1),  # a pooled connection that died with a restarted Redis
-            )
-        return self._client
+        self._client = LazyRedis(url, socket_timeout_s)
 
     async def _io(self, op: Callable[[Any], Awaitable[T]]) -> T:
         from redis.exceptions import RedisError
 
         try:
-            return await op(self._redis())
+            return await op(self._client.get())
         except (RedisError, OSError) as exc:
             logger.warning("responses store: Redis at %s failed: %s", self.url, exc)
             raise ServiceUnavailableError(
@@ -141,9 +127,4 @@ class RedisResponsesStore:
         return True
 
     async def aclose(self) -> None:
-        client, self._client = self._client, None
-        if client is not None:
-            try:
-                await client.aclose()
-            except Exception:  # closing a client whose server is gone
-                logger.debug("closing the Redis client failed", exc_info=True)
+        await self._client.aclose()

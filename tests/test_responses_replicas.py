@@ -181,7 +181,7 @@ def test_redis_store_bounds(redis_url: str) -> None:
                 assert await store.put(_entry(i))
             kept = [i for i in range(1, 6) if await store.get(f"resp_{i}", "o") is not None]
             assert kept == [3, 4, 5]  # the owner's oldest went first, entries and all
-            assert await store._redis().exists(store._entry_key("resp_1")) == 0
+            assert await store._client.get().exists(store._entry_key("resp_1")) == 0
             assert await store.put(_entry(9, owner="other"))  # another owner has a count of its own
             assert await store.get("resp_9", "o") is None and not await store.delete("resp_9", "o")
             assert await store.delete("resp_9", "other") and await store.get("resp_9", "other") is None
