@@ -228,7 +228,11 @@ def test_hostile_peer_against_a_pushing_victim(chain, parties, local_llama) -> N
     assert any(refusal in line for line in chain.workers[0].lines), chain.workers[0].lines[-20:]
 
     # 7. uploads past the server's budget: the last one is busy (typed, with its reason), the others finish
-    reasons = runtime.run(concurrent_uploads(attacker, first))
+    for _ in range(3):  # a stream cut with no answer at all (the attacker's connection reset under load): try again
+        reasons = runtime.run(concurrent_uploads(attacker, first))
+        if "stream ended" not in reasons:
+            break
+        print(f"concurrent uploads: a stream ended with no answer ({reasons}); trying the scenario again")
     assert reasons[:2] == ["ok", "ok"] and reasons[2] == "uploads", reasons
 
     # the victim: every token equal to the local model, then its detached session is its own only
