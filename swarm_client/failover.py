@@ -31,6 +31,7 @@ from swarm_client.errors import (
 )
 from swarm_client.history import HistoryBuffer
 from swarm_client.lora import adapter_field
+from swarm_client.peer_calls import call_stream
 from swarm_client.routing import LOCAL_PEER, RouteHop, find_route
 from swarm_client.sequence_manager import SequenceManager
 from swarm_client.server_session import _ServerSession, close_all
@@ -231,12 +232,10 @@ async def _reference(
 ) -> torch.Tensor | None:
     """The checkers' output for the last ``length`` positions of ``full``; None if a checker failed or sent
     something malformed (a broken checker proves nothing about the checked step)."""
-    from swarm_client.remote_sequential import _call_stream  # local import: that module imports session
-
     reference = full
     try:
         for checker in checkers:
-            (reference,) = await _call_stream(
+            (reference,) = await call_stream(
                 manager,
                 checker.peer_id,
                 "rpc_forward",

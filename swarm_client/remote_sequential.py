@@ -16,51 +16,15 @@ import asyncio
 import time
 
 import torch
-from hivemind.proto import runtime_pb2
 from torch import nn
 
-from swarm_client import protocol, runtime
-from swarm_client.errors import (
-    InvalidInputError,
-    NoRouteError,
-    PeerError,
-    PeerTimeout,
-    RemoteError,
-    error_from_wire,
-)
+from swarm_client import runtime
+from swarm_client.errors import InvalidInputError, NoRouteError, PeerError, RemoteError
 from swarm_client.lora import adapter_field, check_adapter_name
+from swarm_client.peer_calls import call_stream
 from swarm_client.routing import LOCAL_PEER, RouteHop
 from swarm_client.sequence_manager import SequenceManager
 from swarm_client.session import CALLER_ERRORS, InferenceSession
-
-
-async def _call_stream(manager: SequenceManager, peer_id: str, method: str, tensors: list[torch.Tensor], **metadata):
-    stub = await manager.stub(peer_id)
-    messages = protocol.split_message(
-        tensors,
-        {**metadata, "compression": manager.config.compression},
-        runtime_pb2.ExpertRequest,
-        manager.config.compression,
-    )
-
-    async def requests():
-        for m in messages:
-            yield m
-
-    async def call():
-        stream = await getattr(stub, method)(requests())
-        return await protocol.gather_message(stream)
-
-    try:
-        out, meta = await asyncio.wait_for(call(), manager.config.request_timeout)
-    except TimeoutError as e:
-        raise PeerTimeout(f"{method} on {peer_id} timed out", peer_id) from e
-    except Exception as e:
-        raise PeerError(f"{method} on {peer_id} failed: {e}", peer_id) from e
-    if "error" in meta:
-        raise error_from_wire(meta["error"], peer_id)
-    return out
-
 
 #: one hop of a stateless forward: the hop, its input and its slice of the deep prompts (if any)
 TraceItem = tuple[RouteHop, torch.Tensor, "torch.Tensor | None"]
@@ -115,7 +79,7 @@ async def _run_span(
                 continue
             try:
                 t0 = time.perf_counter()
-                outputs = await _call_stream(
+                outputs = await call_stream(
                     manager,
                     hop.peer_id,
                     "rpc_forward",
@@ -170,7 +134,7 @@ async def _backward_trace(
             grad = grads[0]
             continue
         try:
-            grads = await _call_stream(
+            grads = await call_stream(
                 manager,
                 hop.peer_id,
                 "rpc_backward",

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from swarm_client import AutoDistributedModelForCausalLM, InvalidInputError, runtime
-from swarm_client.remote_sequential import _call_stream
+from swarm_client.peer_calls import call_stream
 from tests.swarm_fixtures import swarm
 
 pytestmark = pytest.mark.slow
@@ -149,9 +149,9 @@ def test_bad_prompts_are_refused(dist, local_llama) -> None:
     peer = next(p for p, span in dist.manager.spans.items() if span.start == 0)
     bad = torch.zeros(1, 1, 2, cfg.hidden_size)  # one block's prompts for a two-block request
     with pytest.raises(InvalidInputError, match="prompts of shape"):
-        runtime.run(_call_stream(dist.manager, peer, "rpc_forward", [x, bad], start_block=0, end_block=2))
+        runtime.run(call_stream(dist.manager, peer, "rpc_forward", [x, bad], start_block=0, end_block=2))
     with pytest.raises(InvalidInputError, match="prompts of shape"):
-        runtime.run(_call_stream(dist.manager, peer, "rpc_backward", [x, x, bad], start_block=0, end_block=2))
+        runtime.run(call_stream(dist.manager, peer, "rpc_backward", [x, x, bad], start_block=0, end_block=2))
 
 
 def test_prompt_tuning_lowers_the_loss_with_a_frozen_model(dist, local_llama) -> None:
