@@ -39,6 +39,8 @@ fi
 trap '[ -n "$redis_pid" ] && kill "$redis_pid" 2>/dev/null || true' EXIT
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 ruff check .
+# the documentation site (mkdocs.yml): a broken link or anchor between pages fails the build
+mkdocs build --strict --quiet --site-dir "$(mktemp -d)"
 if [ "$#" -gt 0 ]; then
   python -m pytest "$@"
   exit 0
