@@ -19,15 +19,13 @@ import itertools
 import logging
 import time
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 from hivemind.proto import runtime_pb2
 
 from swarm_client import protocol
+from swarm_client.client_config import ClientConfig
 from swarm_client.errors import PeerError
-
-if TYPE_CHECKING:
-    from swarm_client.sequence_manager import SequenceManager
 
 logger = logging.getLogger(__name__)
 
@@ -38,10 +36,18 @@ GATHER_SECONDS = 0.001
 Answer = tuple[list[runtime_pb2.Tensor], dict]
 
 
+class Dialer(Protocol):
+    """What a bundler needs of its client (a ``SequenceManager``): its settings and a stub to a server."""
+
+    config: ClientConfig
+
+    async def stub(self, peer_id: str) -> Any: ...
+
+
 class StepBundler:
     """One client's ``rpc_steps`` stream to one server, opened on first use and reopened after a failure."""
 
-    def __init__(self, manager: SequenceManager, peer_id: str):
+    def __init__(self, manager: Dialer, peer_id: str):
         self.manager = manager
         self.peer_id = peer_id
         #: steps waiting for the next message: (inbox of the session, serialized hidden, step metadata)
