@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 
+from swarm_client.hub_files import fetch_hub_files
+
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 
@@ -138,8 +140,6 @@ def load_tensors(
 
     absent = sorted(f for f in by_file if not (path / f).is_file())
     if absent:
-        from swarm_client.model_source import fetch_hub_files
-
         fetch_hub_files(path, absent)  # a lazily fetched Hub snapshot gets them now; elsewhere a no-op
 
     device_str = str(device)

@@ -15,7 +15,7 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from swarm_client import model_source
+from swarm_client import hub_files, model_source
 from swarm_client.families import get_family
 from swarm_client.model_source import (
     DiskSpaceError,
@@ -64,8 +64,8 @@ def fake_hub(tmp_path, sharded, monkeypatch) -> tuple[pathlib.Path, list[str]]:
         downloaded.append(filename)
         return shutil.copy(sharded / filename, snapshot / filename)
 
-    monkeypatch.setattr(model_source, "_hub_file_size", size)
-    monkeypatch.setattr(model_source, "_hub_download", download)
+    monkeypatch.setattr(hub_files, "_hub_file_size", size)
+    monkeypatch.setattr(hub_files, "_hub_download", download)
     monkeypatch.delenv(model_source.MAX_DISK_SPACE_ENV, raising=False)
     return snapshot, downloaded
 
