@@ -22,7 +22,8 @@ import pathlib
 from dataclasses import dataclass
 from typing import Any
 
-import torch
+from swarm_client.random_weights import INIT_STD, save_random_model
+from swarm_client.tiny_tokenizer import ENDOFTEXT, IM_END, build_tokenizer
 
 LLAMA31_ROPE = {
     "factor": 8.0,
@@ -202,8 +203,6 @@ def like_config(name: str, vocab_size: int, num_layers: int, eos: int | list[int
     transformers converts ``rope_scaling``/``rope_theta`` exactly as it does for the real checkpoint)."""
     from transformers import AutoConfig
 
-    from swarm_client.tiny_model import INIT_STD
-
     if num_layers <= 0:
         raise ValueError(f"need at least one layer, got {num_layers}")
     like = get_like(name)
@@ -214,8 +213,6 @@ def like_config(name: str, vocab_size: int, num_layers: int, eos: int | list[int
 
 def make_like_model(out_dir: str | pathlib.Path, name: str, num_layers: int = 4, seed: int = 0) -> pathlib.Path:
     """Write the tiny replica of ``name`` (random weights, the tiny tokenizer) to ``out_dir``; return it."""
-    from swarm_client.tiny_model import ENDOFTEXT, IM_END, INIT_STD, build_tokenizer
-
     like = get_like(name)
     tokenizer = build_tokenizer(like.config["model_type"])
     tokenizer.model_max_length = like.context_window  # the gateway's window and max_tokens default
@@ -223,51 +220,3 @@ def make_like_model(out_dir: str | pathlib.Path, name: str, num_layers: int = 4,
     eos: int | list[int] = [im_end, endoftext] if like.eos_is_list else im_end
     config = like_config(name, len(tokenizer), num_layers, eos, endoftext)
     return save_random_model(out_dir, config, tokenizer, seed, INIT_STD)
-
-
-# ------------------------------------------------ random weights (tiny models and replicas alike)
-#: Final norms whose scale gets random signs (see ``_perturb_constant_params``).
-FINAL_NORM_WEIGHTS = frozenset({"model.norm.weight", "transformer.ln_f.weight"})
-
-
-@torch.no_grad()
-def _perturb_constant_params(model: torch.nn.Module, seed: int, std: float) -> None:
-    """Give norm weights and biases (initialised to exactly 1 / 0) random values.
-
-    A block server that forgets to load a bias or a norm weight would otherwise still match the reference.
-    The final norm also gets random signs: with a tied LM head, logits ≈ <hidden, embedding>, and a random
-    model whose residual stream is dominated by the current token's embedding would just echo that token
-    forever under greedy decoding.
-    """
-    gen = torch.Generator().manual_seed(seed + 1)
-    for name, param in sorted(model.named_parameters(), key=lambda kv: kv[0]):
-        if param.dim() != 1:
-            continue
-        noise = torch.randn(param.shape, generator=gen, dtype=torch.float32) * std
-        if name.endswith("bias"):
-            param.copy_(noise.to(param.dtype))
-            continue
-        scale = 1.0 + noise  # norm scale
-        if name in FINAL_NORM_WEIGHTS:
-            scale *= torch.randint(0, 2, param.shape, generator=gen).to(torch.float32) * 2 - 1
-        param.copy_(scale.to(param.dtype))
-
-
-def save_random_model(
-    out_dir: str | pathlib.Path, config: Any, tokenizer: Any, seed: int, std: float
-) -> pathlib.Path:
-    """Random float32 weights for ``config`` (EOS/pad ids from it) saved with ``tokenizer`` to ``out_dir``."""
-    from transformers import AutoModelForCausalLM, GenerationConfig
-
-    out = pathlib.Path(out_dir).expanduser()
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    _perturb_constant_params(model, seed, std)
-    model.eval()
-    model.generation_config = GenerationConfig(
-        bos_token_id=None, eos_token_id=config.eos_token_id, pad_token_id=config.pad_token_id
-    )
-    out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out)
-    tokenizer.save_pretrained(out)
-    return out
