@@ -45,26 +45,14 @@ from typing import Any
 
 import torch
 
-from load_tests.wan_lab import start_lab_swarm
+# the lab is wan_lab's; its names stay importable from here (petals_wan, bench_speculation)
+from load_tests.wan_lab import ENV, HOSTS, PORT, SCENARIOS, SERVERS, SPANS, start_lab_swarm  # noqa: F401
 from swarm_client.sequence_manager import ClientConfig
 from swarm_client.tiny_model import make_tiny_model
-from swarmserve.launcher import child_env
 from tests.netlab import NetLab, unavailable, unavailable_delays
 
-ENV = child_env(1, {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"})
-HOSTS = {"dht": "10.231.0.2", "client": "10.231.0.3", "s1": "10.231.0.11", "s2": "10.231.0.12", "s3": "10.231.0.13"}
-SPANS = {"s1": "0:2", "s2": "2:4", "s3": "4:6"}
-SERVERS = list(SPANS)
-PORT = 31330
 PROMPTS = [[3, 14, 15, 92, 65, 35, 89, 79], [2, 71, 82, 81, 82, 84, 59, 4],
            [1, 41, 42, 13, 56, 23, 73, 9], [16, 18, 3, 39, 88, 74, 98, 94]]  # fmt: skip
-#: scenario -> (one-way ms for everything a host sends, {(source, destination): ms} overrides)
-SCENARIOS: dict[str, tuple[dict[str, float], dict[tuple[str, str], float]]] = {
-    "a": ({h: 25.0 for h in HOSTS}, {}),
-    "b": ({"client": 40.0, "dht": 2.0, **dict.fromkeys(SERVERS, 2.0)},
-          {(h, "client"): 40.0 for h in ("dht", *SERVERS)}),
-    "c0": ({}, {}),
-}  # fmt: skip
 SUMMARY_KEYS = ("ms_per_token_median", "ms_per_token_p90", "warm_ms_per_token_median", "from_pretrained_ms",
                 "cold_first_ms", "warm_first_ms", "aggregate_tok_s", "single_tok_s", "x_single",
                 "pushes_used")  # fmt: skip
