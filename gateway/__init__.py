@@ -13,14 +13,14 @@ __all__ = ["BackgroundServer", "GatewaySettings", "LocalBackend", "create_app", 
 _WHERE = {
     "BackgroundServer": "gateway.server",
     "GatewaySettings": "gateway.settings",
-    "LocalBackend": "gateway.local_backend",
+    "LocalBackend": "gateway.backends.local",
     "create_app": "gateway.app",
     "serve": "gateway.server",
 }
 
 if TYPE_CHECKING:
     from gateway.app import create_app
-    from gateway.local_backend import LocalBackend
+    from gateway.backends.local import LocalBackend
     from gateway.server import BackgroundServer, serve
     from gateway.settings import GatewaySettings
 

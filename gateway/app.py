@@ -25,26 +25,26 @@ from fastapi.middleware.cors import CORSMiddleware
 from starlette.datastructures import MutableHeaders
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from gateway.backend import ModelBackend
-from gateway.engine import Engine
+from gateway.admission.limits import install_limits
+from gateway.affinity.sessions import AffinityStore, create_store
+from gateway.api.route_info import EXPOSED_HEADERS
+from gateway.backends.base import ModelBackend
+from gateway.backends.swarm_view import SwarmView
+from gateway.decode.engine import Engine
 from gateway.errors import error_response, install_error_handlers
-from gateway.limits import install_limits
 from gateway.metrics import install_metrics
-from gateway.responses_redis import RedisResponsesStore
-from gateway.responses_store import ResponsesStore, ResponseStore
-from gateway.route_info import EXPOSED_HEADERS
-from gateway.routes import ROUTERS, chat_page, swarm_page
+from gateway.responses.redis_store import RedisResponsesStore
+from gateway.responses.store import ResponsesStore, ResponseStore
+from gateway.routes import chat, chat_page, completions, health, models, responses, swarm_page
 from gateway.routes.docs import install_docs
-from gateway.sessions import AffinityStore, create_store
 from gateway.settings import GatewaySettings
-from gateway.swarm_view import SwarmView
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["RequestContextMiddleware", "create_app"]
 
 REQUEST_ID_HEADER = "x-request-id"
-#: the longest start-up waits for the grammar engine's warm-up (gateway/grammar_compile.py) before serving
+#: the longest start-up waits for the grammar engine's warm-up (gateway/grammars/compile.py) before serving
 GRAMMAR_WARM_UP_WAIT_S = 15.0
 _SAFE_REQUEST_ID = re.compile(r"^[\w.\-:/+=@]{1,128}$")
 
@@ -114,13 +114,13 @@ def create_app(backend: ModelBackend, settings: GatewaySettings | None = None) -
     app.state.responses_store = _responses_store(backend, settings)  # /v1/responses' stored responses
     app.state.swarm_view = SwarmView(backend)  # /health, /v1/swarm: read off the loop, once per flood
     app.state.started_at = int(time.time())
-    for router in ROUTERS:
+    for router in (chat.router, completions.router, models.router, health.router, responses.router):
         app.include_router(router)
     app.include_router(swarm_page.router)  # /swarm: the HTML status page over /v1/swarm
     app.include_router(chat_page.router)  # /chat: a chat page over /v1/chat/completions
     install_docs(app)  # /docs, /redoc and their assets under /static/docs, no CDN
     install_error_handlers(app, retry_after_s=settings.retry_after_s)
-    install_limits(app, settings)  # auth, body size, rate limits, stream slots (gateway/limits.py)
+    install_limits(app, settings)  # auth, body size, rate limits, stream slots (gateway/admission/limits.py)
     install_metrics(app)  # /metrics; its middleware wraps the limits, so their 401/413/429/503 count
     app.add_middleware(RequestContextMiddleware)
     app.add_middleware(

@@ -9,10 +9,10 @@ Where the numbers come from:
   requests by route template, method and status; request duration; errors by OpenAI error ``code`` — read
   from the JSON envelope of a >= 400 response, or from a ``data: {"error": ...}`` frame of a stream that
   failed after its 200; the number of SSE responses in flight (``active_streams``).
-- ``Engine`` (``gateway/engine.py``), once per choice: time to first token, inter-token latency, and
+- ``Engine`` (``gateway/decode/engine.py``), once per choice: time to first token, inter-token latency, and
   ``observe_usage(prompt, completion, cached)`` — the one call that counts tokens and prefix-cache hits
   (for the counters, and for the access log line of the request it runs in).
-- ``StreamSlots`` (``gateway/limits.py``): streams waiting for a slot.
+- ``StreamSlots`` (``gateway/admission/limits.py``): streams waiting for a slot.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from starlette.routing import Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway.access_log import count_choice, end_tally, log_request, start_tally
-from gateway.speculation import SpeculationStats
+from gateway.speculation.verify import SpeculationStats
 
 logger = logging.getLogger(__name__)
 
@@ -150,7 +150,7 @@ class GatewayMetrics:
             self.cache_hits.inc()
 
     def observe_speculation(self, stats: SpeculationStats) -> None:
-        """Count one finished choice's guesses (gateway/speculation.py) and update the acceptance rate."""
+        """Count one finished choice's guesses (gateway/speculation/verify.py) and update the acceptance rate."""
         if stats.drafted <= 0:
             return
         self.speculated_tokens.inc(stats.drafted)

@@ -11,9 +11,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gateway.app import create_app
+from gateway.backends.swarm import SwarmBackend
 from gateway.server import BackgroundServer
 from gateway.settings import GatewaySettings
-from gateway.swarm_backend import SwarmBackend
 
 __all__ = ["GatewayConfig", "run_gateway", "serving_gateway"]
 

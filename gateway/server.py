@@ -37,7 +37,7 @@ class BackgroundServer:
         self._sock.bind((host, port))
         self.port: int = self._sock.getsockname()[1]
         # proxy_headers off: uvicorn would otherwise believe X-Forwarded-For from any local peer; which proxies
-        # name the client is the gateway's own setting (``trusted_proxies``, gateway/ratelimit.py)
+        # name the client is the gateway's own setting (``trusted_proxies``, gateway/admission/ratelimit.py)
         config = uvicorn.Config(
             app, log_level=log_level, lifespan="on", timeout_graceful_shutdown=5, proxy_headers=False
         )

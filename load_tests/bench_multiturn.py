@@ -146,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from gateway import BackgroundServer, GatewaySettings, create_app
-    from gateway.swarm_backend import SwarmBackend
+    from gateway.backends.swarm import SwarmBackend
 
     torch.set_num_threads(1)
     model, model_dir = _pick_model(args.model)

@@ -63,8 +63,8 @@ class _TimedDrafter:
 
 
 async def _one(engine: Any, prompt_ids: list[int], mode: str, max_tokens: int, reference: list[int]) -> dict:
-    from gateway.choices import ChoiceResult, ChoiceSpec
-    from gateway.sampling import SamplingParams
+    from gateway.decode.choices import ChoiceResult, ChoiceSpec
+    from gateway.decode.sampling import SamplingParams
 
     spec = ChoiceSpec(0, prompt_ids, max_tokens, SamplingParams(temperature=0.0), speculation=mode,
                       reference_ids=reference)  # fmt: skip
@@ -86,9 +86,9 @@ def client_main(model: str, peer: str, options: dict) -> dict:
     """Runs every (rep, prompt, mode) against the swarm at ``peer``; the raw runs and each engine's costs."""
     import torch
 
-    from gateway.engine import Engine
+    from gateway.backends.swarm import SwarmBackend
+    from gateway.decode.engine import Engine
     from gateway.settings import GatewaySettings
-    from gateway.swarm_backend import SwarmBackend
 
     torch.set_num_threads(1)
     # a loaded 2-core box (3 workers, the delay processes, maybe others' tests) can hold a ping past the default
@@ -235,7 +235,7 @@ def markdown(report: dict) -> str:
              "over reps of the ratio to the same rep's `off` run. trips = completion − accepted (prefill + decode "
              "steps); decode tok/s = (completion − 1) / (wall − first token); draft s = time in the drafter (drafting "
              "ahead included); steps drafted ahead: steps whose guesses were drafted while the step before "
-             "travelled (gateway/draft_ahead.py).", "",
+             "travelled (gateway/speculation/draft_ahead.py).", "",
              "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]  # fmt: skip
     for name, sc in report["scenarios"].items():
         if "error" in sc:

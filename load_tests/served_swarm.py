@@ -147,6 +147,6 @@ def gateway_overrides(**wanted: Any) -> dict[str, Any]:
 def eos_logit_bias(backend: Any) -> dict[str, float]:
     """``logit_bias`` that bans every EOS id: each request then makes exactly ``max_tokens`` tokens, so
     levels are compared on equal work."""
-    from gateway.engine import eos_token_ids
+    from gateway.decode.engine import eos_token_ids
 
     return {str(i): -100.0 for i in sorted(eos_token_ids(backend))}

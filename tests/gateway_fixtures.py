@@ -339,7 +339,7 @@ def shared_gateway() -> Gateway:
 @contextmanager
 def swarm_gateway(model_path: str, initial_peers: str, **settings: Any) -> Iterator[Gateway]:
     """A gateway over a real swarm (``SwarmBackend``, DHT view refreshed every second), closed on exit."""
-    from gateway.swarm_backend import SwarmBackend
+    from gateway.backends.swarm import SwarmBackend
 
     backend = SwarmBackend(model_path, [initial_peers], update_period=1.0)
     gw = start_gateway(backend, **settings)

@@ -17,7 +17,7 @@ import openai
 import pytest
 import torch
 
-from gateway.swarm_view import CacheRoom, cache_room
+from gateway.backends.swarm_view import CacheRoom, cache_room
 from swarm_client.dht_records import RemoteSpanInfo, ServerInfo, ServerState
 from tests.gateway_fixtures import Gateway, chat_prompt_ids, swarm_gateway, tiny_tokenizer
 from tests.swarm_fixtures import swarm

@@ -17,8 +17,8 @@ from typing import Any
 import pytest
 import torch
 
-from gateway.backend import SessionSnapshot
-from gateway.local_backend import LocalBackend, LocalSession
+from gateway.backends.base import SessionSnapshot
+from gateway.backends.local import LocalBackend, LocalSession
 from swarm_client.errors import SessionLost, SessionNotFoundError
 from tests.gateway_fixtures import QUESTIONS, Gateway, chat, collect_stream, conversation, start_gateway
 
@@ -119,7 +119,7 @@ class ResumableLocal:
 
 class BatchingResumableLocal(ResumableLocal):
     """The same with ``step_many`` (the swarm backend's contract: one result or exception per session), so
-    the engine gathers concurrent decode steps into one call (gateway/decode_batch.py)."""
+    the engine gathers concurrent decode steps into one call (gateway/decode/batch.py)."""
 
     def step_many(self, sessions, token_ids):
         results = []

@@ -1,4 +1,4 @@
-"""Session KV-cache affinity, the store (``gateway/sessions.py``): prefix lookup, claiming, expiry — the
+"""Session KV-cache affinity, the store (``gateway/affinity/sessions.py``): prefix lookup, claiming, expiry — the
 same tests against ``InMemoryAffinityStore`` and ``RedisAffinityStore`` on a real Redis (the ``redis_url``
 fixture of tests/conftest.py: ``REDIS_URL``, else ``redis-server`` from PATH; else those cases skip, or fail
 under ``SWARMSERVE_REQUIRE=redis``).
@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from gateway.sessions import (
+from gateway.affinity.sessions import (
     AffinityStore,
     InMemoryAffinityStore,
     RedisAffinityStore,
@@ -141,7 +141,7 @@ async def test_store_records_expire(store_factory: Any) -> None:
 async def test_redis_store_survives_an_unreachable_redis(caplog: pytest.LogCaptureFixture) -> None:
     store = RedisAffinityStore(f"redis://127.0.0.1:{free_port()}/0", namespace="down", retry_interval_s=0.2)
     tokens = list(range(40))
-    with caplog.at_level(logging.WARNING, logger="gateway.sessions"):
+    with caplog.at_level(logging.WARNING, logger="gateway.affinity.sessions"):
         for _ in range(5):
             assert await store.claim(tokens) is None
             assert await store.claim(tokens, "key") is None

@@ -53,7 +53,7 @@ def affinity_swarm(tiny_llama: str) -> Iterator[AffinitySwarm]:
 def replicas(affinity_swarm: Any, tiny_llama: str, own_redis: RedisServer) -> Iterator[dict[str, Gateway]]:
     """Two gateway replicas (own uvicorn, own ``SwarmBackend``) on one Redis; a reference without reuse.
     Their clients deal sessions into pipeline groups as the CLI does ("auto"), resumed sessions included."""
-    from gateway.swarm_backend import SwarmBackend
+    from gateway.backends.swarm import SwarmBackend
 
     peers = [affinity_swarm.swarm.initial_peers]
     backends = [SwarmBackend(tiny_llama, peers, update_period=1.0, pipeline_groups="auto") for _ in range(2)]
@@ -134,7 +134,7 @@ def test_redis_outage_degrades_to_no_reuse_and_recovers(
     assert turn(QUESTIONS[0]) == 0
     assert turn(QUESTIONS[1]) > 0
     own_redis.kill()
-    with caplog.at_level(logging.WARNING, logger="gateway.sessions"):
+    with caplog.at_level(logging.WARNING, logger="gateway.affinity.sessions"):
         assert turn(QUESTIONS[2]) == 0
         assert turn(QUESTIONS[3]) == 0
     assert sum("unreachable" in r.getMessage() for r in caplog.records) == 1  # logged once, not per request
@@ -148,7 +148,7 @@ def test_redis_outage_degrades_to_no_reuse_and_recovers(
 @pytest.mark.timeout(600)
 def test_expired_server_cache_is_re_prefilled(affinity_swarm: AffinitySwarm, tiny_llama: str) -> None:
     """The worker of its own swarm (own DHT prefix on the same DHT) keeps finished sessions for 1 s only."""
-    from gateway.swarm_backend import SwarmBackend
+    from gateway.backends.swarm import SwarmBackend
 
     worker = affinity_swarm.evicting
     peers = [affinity_swarm.swarm.initial_peers]

@@ -16,7 +16,7 @@ from typing import Any
 import httpx
 import pytest
 
-from gateway.capacity_queue import CapacityQueue
+from gateway.decode.capacity_queue import CapacityQueue
 from swarm_client.dht_records import RemoteSpanInfo, ServerInfo, ServerState
 from swarm_client.errors import (
     ServerBusyError,
@@ -85,7 +85,7 @@ def test_busy_details_cross_the_wire_bounded() -> None:
 def test_context_window_of_every_family_config() -> None:
     from types import SimpleNamespace
 
-    from gateway.backend import DEFAULT_CONTEXT_WINDOW, context_window
+    from gateway.backends.base import DEFAULT_CONTEXT_WINDOW, context_window
 
     tok = SimpleNamespace(model_max_length=int(1e30))  # transformers' "no limit"
     assert context_window(SimpleNamespace(max_position_embeddings=131072), tok) == 131072

@@ -23,9 +23,9 @@ from typing import Any
 import pytest
 
 from gateway import LocalBackend
-from gateway.engine import eos_token_ids
-from gateway.route_info import PUSH_HEADER, ROUTE_HEADER, SPEED_HEADER
-from gateway.swarm_backend import SwarmBackend
+from gateway.api.route_info import PUSH_HEADER, ROUTE_HEADER, SPEED_HEADER
+from gateway.backends.swarm import SwarmBackend
+from gateway.decode.engine import eos_token_ids
 from tests.conftest import require_or_skip
 from tests.gateway_fixtures import Gateway, start_gateway, swarm_gateway
 from tests.swarm_fixtures import Swarm, swarm

@@ -10,8 +10,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from gateway import decode_batch
-from gateway.decode_batch import StepGatherer
+from gateway.decode import batch as decode_batch
+from gateway.decode.batch import StepGatherer
 
 
 class Recorder:
@@ -176,7 +176,7 @@ def test_results_delivered_early_do_not_wait_for_a_late_item_of_their_batch(exec
 def test_run_steps_hands_over_the_prompt_steps_together_and_a_late_one_after():
     """``run_steps`` (the swarm backend's ``step_many``): steps that answer together are one group, a late
     one (here 1 s) its own; a batch with no late step is only returned (one hand-off, as before)."""
-    from gateway.swarm_steps import run_steps
+    from gateway.backends.swarm_steps import run_steps
 
     def step(delay: float, value: int):
         async def go() -> int:

@@ -1,5 +1,5 @@
-"""Drafting the next guesses while a step travels (gateway/draft_ahead.py): used only when the step kept every
-guess and yielded the drafter's own next one, never touching the drafter from two threads, and the engine's
+"""Drafting the next guesses while a step travels (gateway/speculation/draft_ahead.py): used only when the step kept
+every guess and yielded the drafter's own next one, never touching the drafter from two threads, and the engine's
 output unchanged."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from gateway.draft_ahead import LookAhead
+from gateway.speculation.draft_ahead import LookAhead
 
 TEXT = list(range(100, 160))  # what the served model "says"; the drafter below knows it
 
@@ -105,7 +105,7 @@ TRIP_S = 0.05  # what a step's trip along the chain takes, beyond the compute (t
 @pytest.fixture(scope="module")
 def far_backend(tiny_llama):
     """The local 🤗 model behind a ``TRIP_S`` trip per step: long next to the draft's own forward."""
-    from gateway.local_backend import LocalBackend, LocalSession
+    from gateway.backends.local import LocalBackend, LocalSession
 
     class FarSession(LocalSession):
         def step(self, token_ids, all_logits=False):
@@ -128,9 +128,9 @@ def test_engine_with_a_draft_model_drafts_ahead_and_keeps_the_output(far_backend
     before travelled, and the tokens and logprobs are plain decoding's."""
     import asyncio
 
-    from gateway.choices import ChoiceSpec
-    from gateway.engine import Engine
-    from gateway.sampling import SamplingParams
+    from gateway.decode.choices import ChoiceSpec
+    from gateway.decode.engine import Engine
+    from gateway.decode.sampling import SamplingParams
     from gateway.settings import GatewaySettings
 
     engine = Engine(far_backend, GatewaySettings(model="tiny", draft_model=tiny_llama, max_draft_tokens=4))

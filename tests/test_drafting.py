@@ -1,5 +1,5 @@
-"""Drafters (gateway/drafting.py) against plain references: prompt lookup against a brute-force search over the
-whole context, draft models against greedy decoding of the 🤗 model run without a cache, for the four
+"""Drafters (gateway/speculation/drafting.py) against plain references: prompt lookup against a brute-force search over
+the whole context, draft models against greedy decoding of the 🤗 model run without a cache, for the four
 families the swarm serves, whole and truncated to their first blocks."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from gateway.drafting import Drafter, DraftModel, ModelDrafter, PromptLookupDrafter
+from gateway.speculation.drafting import Drafter, DraftModel, ModelDrafter, PromptLookupDrafter
 from swarm_client.tiny_model import make_tiny_model
 
 FAMILIES = ("llama", "mixtral", "falcon", "bloom")
@@ -120,7 +120,7 @@ def test_long_context_indexes_each_token_once() -> None:
 def test_a_long_prompt_indexes_only_its_last_tokens() -> None:
     """A 100k-token first context indexes its last MAX_INDEXED_TOKENS only (bounded memory and first-call
     time); a passage copied from inside that window is still found, one from before it is not."""
-    from gateway.drafting import MAX_INDEXED_TOKENS
+    from gateway.speculation.drafting import MAX_INDEXED_TOKENS
 
     rng = random.Random(2)
     stream = [rng.randrange(50_000) for _ in range(100_000)]
@@ -182,7 +182,7 @@ def random_context(vocab: int, length: int, seed: int) -> list[int]:
 @pytest.mark.parametrize("family", FAMILIES)
 def test_draft_model_is_greedy_decoding(family, model_dirs, hf_models, caplog) -> None:
     reference = hf_models[family]
-    with caplog.at_level(logging.WARNING, logger="gateway.drafting"):
+    with caplog.at_level(logging.WARNING, logger="gateway.speculation.drafting"):
         draft = DraftModel.load(model_dirs[family])
     assert not caplog.records  # no missing or unexpected weights
     assert draft.num_layers == 4
@@ -213,7 +213,7 @@ def test_draft_model_is_greedy_decoding(family, model_dirs, hf_models, caplog) -
 @pytest.mark.parametrize("family", FAMILIES)
 def test_truncated_draft_model_is_the_first_blocks(family, model_dirs, hf_models, caplog) -> None:
     full = hf_models[family]
-    with caplog.at_level(logging.WARNING, logger="gateway.drafting"):
+    with caplog.at_level(logging.WARNING, logger="gateway.speculation.drafting"):
         draft = DraftModel.load(model_dirs[family], layers=2)
     assert not caplog.records  # the only weights left out are those of blocks 2 and 3
     small = truncated_reference(full, 2)
@@ -238,7 +238,7 @@ def test_quantized_draft_model_drafts_with_its_dequantized_weights(quant, model_
     are greedy decoding of the 🤗 model holding the dequantized weights."""
     from swarm_client.kernels.quantized import Int8Linear, NF4Linear
 
-    with caplog.at_level(logging.WARNING, logger="gateway.drafting"):
+    with caplog.at_level(logging.WARNING, logger="gateway.speculation.drafting"):
         draft = DraftModel.load(model_dirs["llama"], quant=quant)
     assert not caplog.records
     kind = {"int8": Int8Linear, "nf4": NF4Linear}[quant]
@@ -266,7 +266,8 @@ def test_quantized_draft_model_drafts_with_its_dequantized_weights(quant, model_
 def test_draft_quantization_limits(model_dirs, caplog) -> None:
     with pytest.raises(ValueError, match="CPU drafts only"):
         DraftModel.load(model_dirs["llama"], device="cuda", quant="int8")
-    with caplog.at_level(logging.WARNING, logger="gateway.drafting"):  # BLOOM's projections have other names
+    # BLOOM's projections have other names
+    with caplog.at_level(logging.WARNING, logger="gateway.speculation.drafting"):
         DraftModel.load(model_dirs["bloom"], quant="int8")
     assert any("only its head is int8" in r.getMessage() for r in caplog.records)
 

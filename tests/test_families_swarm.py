@@ -66,11 +66,11 @@ def test_gateway_speculation_is_exact(served) -> None:
     the family's projections are ones the int8 kernel knows) equal the local 🤗
     model's, with the guessing and the plain choice of one request batched into the same steps
     (``step_many`` mixing one- and many-token steps, rolled back on both servers)."""
-    from gateway.choices import ChoiceSpec
-    from gateway.engine import Engine
-    from gateway.sampling import SamplingParams
+    from gateway.backends.swarm import SwarmBackend
+    from gateway.decode.choices import ChoiceSpec
+    from gateway.decode.engine import Engine
+    from gateway.decode.sampling import SamplingParams
     from gateway.settings import GatewaySettings
-    from gateway.swarm_backend import SwarmBackend
 
     dist, local = served
     model_dir, peers = dist.served_from

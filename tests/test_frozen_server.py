@@ -24,8 +24,8 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
-from gateway.route_info import ROUTE_HEADER
-from gateway.swarm_backend import SwarmBackend
+from gateway.api.route_info import ROUTE_HEADER
+from gateway.backends.swarm import SwarmBackend
 from swarmserve.processes import wait_ready
 from tests.gateway_fixtures import Gateway, chat_prompt_ids, start_gateway
 from tests.swarm_fixtures import Swarm

@@ -2,7 +2,7 @@
 
 import pytest
 
-from gateway.detokenize import IncrementalDetokenizer, TokenVocab
+from gateway.decode.detokenize import IncrementalDetokenizer, TokenVocab
 
 
 @pytest.fixture(scope="module")

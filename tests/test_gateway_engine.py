@@ -8,8 +8,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from gateway.engine import ChoiceSpec, Engine, eos_token_ids
-from gateway.sampling import SamplingParams
+from gateway.decode.engine import ChoiceSpec, Engine, eos_token_ids
+from gateway.decode.prefill import prefill
+from gateway.decode.sampling import SamplingParams
 from gateway.settings import GatewaySettings
 
 
@@ -210,13 +211,12 @@ async def test_a_failed_open_closes_the_sessions_already_open(tokenizer):
 
 def test_prefill_feeds_only_what_the_session_lacks(tokenizer):
     backend = ScriptedBackend(tokenizer, [1, 1, 1])
-    engine = _engine(backend)
     s = backend.open_session(64)
     s.token_ids = [1, 2, 3, 4]
-    engine._prefill(s, [1, 2, 9, 9])
+    prefill(s, [1, 2, 9, 9])
     assert s.calls == [("rollback", 2), ("step", [9, 9])]
     s.calls.clear()
-    engine._prefill(s, [1, 2, 9, 9])  # all cached: recompute the last position's logits
+    prefill(s, [1, 2, 9, 9])  # all cached: recompute the last position's logits
     assert s.calls == [("rollback", 3), ("step", [9])]
 
 

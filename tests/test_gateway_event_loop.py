@@ -3,9 +3,9 @@
 Through a real uvicorn server over the tiny model, spies on the tokenizer class and on the backend's
 ``swarm_state`` record the thread of every call and whether an event loop was running there: a prompt body
 just under the 8 MiB cap (chat), text and token-id prompts (completions), the Responses API and the rate
-limiter's token estimate are all tokenized on the tokenize thread (gateway/tokenize_thread.py), a body
+limiter's token estimate are all tokenized on the tokenize thread (gateway/decode/tokenize_thread.py), a body
 over the cap is a 413 before anything is tokenized, and a flood of /health and /v1/swarm probes reads the
-swarm on the swarm-view thread, one read at a time (gateway/swarm_view.py). No assertion is timed.
+swarm on the swarm-view thread, one read at a time (gateway/backends/swarm_view.py). No assertion is timed.
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ from typing import Any
 import pytest
 
 from gateway import LocalBackend
-from gateway.swarm_view import SwarmView
-from gateway.tokenize_thread import (
+from gateway.backends.swarm_view import SwarmView
+from gateway.decode.tokenize_thread import (
     PREFIX_CHARS_PER_TOKEN,
     PREFIX_MARGIN_TOKENS,
     TokenizeThread,

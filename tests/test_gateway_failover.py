@@ -12,7 +12,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from gateway.swarm_backend import SwarmBackend
+from gateway.backends.swarm import SwarmBackend
 from swarmserve.processes import wait_ready
 from tests.gateway_fixtures import Gateway, InstrumentedBackend, start_gateway
 from tests.swarm_fixtures import Swarm

@@ -22,10 +22,9 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from gateway import GatewaySettings, LocalBackend, create_app
-from gateway.auth import load_api_keys, parse_key_file
-from gateway.limits import StreamSlots, StreamsSaturatedError, token_counter
-from gateway.metrics import GatewayMetrics
-from gateway.ratelimit import (
+from gateway.admission.auth import load_api_keys, parse_key_file
+from gateway.admission.limits import StreamSlots, StreamsSaturatedError, token_counter
+from gateway.admission.ratelimit import (
     MemoryWindowStore,
     ModelTokenCounter,
     RateLimiter,
@@ -34,6 +33,7 @@ from gateway.ratelimit import (
     estimate_tokens,
     wait_seconds,
 )
+from gateway.metrics import GatewayMetrics
 from tests.conftest import free_port
 from tests.gateway_fixtures import (
     REQUEST_TIMEOUT_S,

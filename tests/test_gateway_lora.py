@@ -2,7 +2,7 @@
 the request's ``model``; an adapter nobody serves is a 404 ``model_not_found``; session affinity never
 resumes a cache computed with another adapter.
 
-The pure parts (gateway/adapters.py) have fast unit tests; the rest runs on real parts: a DHT and two worker
+The pure parts (gateway/backends/adapters.py) have fast unit tests; the rest runs on real parts: a DHT and two worker
 processes serving adapters ``a1`` and ``a2`` of the tiny Llama, ``SwarmBackend``, real uvicorn, a real
 Redis as the affinity store, the official OpenAI SDK, against 🤗 + PEFT with each adapter merged.
 """
@@ -15,9 +15,9 @@ from collections.abc import Iterator
 import openai
 import pytest
 
-from gateway.adapters import ServedModel, parse_adapter_aliases, select_model, served_adapters, served_models
+from gateway.affinity.sessions import InMemoryAffinityStore
+from gateway.backends.adapters import ServedModel, parse_adapter_aliases, select_model, served_adapters, served_models
 from gateway.errors import ModelNotFoundError
-from gateway.sessions import InMemoryAffinityStore
 from swarm_client.dht_records import RemoteSpanInfo, ServerInfo, ServerState
 from tests.gateway_fixtures import Gateway, assert_greedy, chat_prompt_ids, conversation, swarm_gateway
 from tests.swarm_fixtures import Swarm

@@ -4,7 +4,7 @@ import math
 
 import torch
 
-from gateway.sampling import Sampler, SamplingParams, choice_seed, top_logprobs
+from gateway.decode.sampling import Sampler, SamplingParams, choice_seed, top_logprobs
 
 
 def _logits(seed: int = 0, vocab: int = 50) -> torch.Tensor:

@@ -13,13 +13,9 @@ from gateway.errors import (
     param_from_loc,
     to_gateway_error,
 )
-from gateway.openai_schema import (
-    ChatCompletionChunk,
-    ChatCompletionRequest,
-    ChoiceDelta,
-    ChunkChoice,
-    parse_request,
-)
+from gateway.schema.base import parse_request
+from gateway.schema.replies import ChatCompletionChunk, ChoiceDelta, ChunkChoice
+from gateway.schema.requests import ChatCompletionRequest
 from gateway.settings import GatewaySettings
 from swarm_client.errors import NoRouteError, SessionLost
 
@@ -45,7 +41,7 @@ def test_a_valid_request_parses_with_content_parts_and_extras():
 
 
 def test_unknown_fields_are_accepted_and_logged(caplog):
-    with caplog.at_level(logging.WARNING, logger="gateway.openai_schema"):
+    with caplog.at_level(logging.WARNING, logger="gateway.schema.requests"):
         req = parse_request(ChatCompletionRequest, _chat(brand_new_option=1))
     assert req.model_extra == {"brand_new_option": 1}
     assert "brand_new_option" in caplog.text

@@ -102,7 +102,7 @@ def test_no_server_errors(gateway_schema: Any, method: str, path: str, mode: str
         _clamp(case.body)
         case.call_and_validate(checks=checks, timeout=REQUEST_TIMEOUT_S)
 
-    # generation routes document their errors and the SSE stream (gateway/openapi_responses.py): every answer
+    # generation routes document their errors and the SSE stream (gateway/api/openapi_responses.py): every answer
     # must be a documented status, with a documented content type and (errors) the envelope's schema
     checks = [not_a_server_error]
     if method == "POST":

@@ -1,6 +1,6 @@
 """Stop strings: matched across token boundaries, never emitted, suspicious text held until resolved."""
 
-from gateway.stop import StopMatcher, find_stop, partial_stop_len
+from gateway.decode.stop import StopMatcher, find_stop, partial_stop_len
 
 
 def _run(chunks: list[str], stops: list[str]) -> tuple[list[str], bool]:

@@ -18,8 +18,8 @@ import openai
 import pytest
 
 from gateway import LocalBackend
-from gateway.engine import eos_token_ids
-from gateway.swarm_backend import SwarmBackend
+from gateway.backends.swarm import SwarmBackend
+from gateway.decode.engine import eos_token_ids
 from tests.gateway_fixtures import (
     Gateway,
     assert_greedy,
@@ -142,7 +142,7 @@ def test_concurrent_chats_are_decoded_together_and_exact(
     request: pytest.FixtureRequest, local_gw: Gateway, groups: int
 ) -> None:
     """Six streaming chats at once: their decode steps go to the swarm in shared batches
-    (gateway/decode_batch.py), and each text is what the local model gives that prompt alone. With two
+    (gateway/decode/batch.py), and each text is what the local model gives that prompt alone. With two
     pipeline groups every batch holds one group's steps, and both groups are used."""
     swarm_gw: Gateway = request.getfixturevalue("swarm_gw" if groups == 1 else "grouped_gw")
     client = swarm_gw.client()
@@ -177,7 +177,7 @@ REPEATS = [{"role": "user", "content": "one two three four five, one two three f
 
 
 def test_speculation_over_the_swarm_is_exact_and_reported(swarm_gw: Gateway, client: openai.OpenAI) -> None:
-    """Speculative decoding through the OpenAI API (gateway/speculation.py): with prompt-lookup guesses and
+    """Speculative decoding through the OpenAI API (gateway/speculation/verify.py): with prompt-lookup guesses and
     with a ``prediction``, greedy text and logprobs equal plain decoding's, streamed and not; usage reports
     the guesses (``completion_tokens_details`` + the ``speculation`` extension) and ``/metrics`` counts them."""
     kw = dict(model=swarm_gw.model, messages=REPEATS, max_tokens=40, temperature=0, logprobs=True)

@@ -17,7 +17,7 @@ from typing import Any
 import httpx
 import pytest
 
-from gateway.schema_limits import (
+from gateway.grammars.schema_limits import (
     MAX_DEPTH,
     MAX_OPTIONAL_PROPERTIES,
     MAX_PROPERTIES,

@@ -118,7 +118,7 @@ def test_a_missed_liveness_ping_does_not_count_while_the_server_answers_others(a
 
 
 class _Backend:
-    """The two attributes ``gateway.swarm_view`` reads of a swarm backend."""
+    """The two attributes ``gateway.backends.swarm_view`` reads of a swarm backend."""
 
     model_id = "m"
 
@@ -135,7 +135,7 @@ def _cached(peer: str, start: int, end: int, left: int, total: int) -> RemoteSpa
 
 
 def test_admission_counts_only_servers_the_client_can_route_to() -> None:
-    from gateway.swarm_view import backend_room
+    from gateway.backends.swarm_view import backend_room
 
     m = manager(_cached("A", 0, 2, 4000, 4000), _cached("B1", 2, 4, 1000, 1000), _cached("B2", 2, 4, 3000, 3000))
     backend = _Backend(m)
@@ -150,8 +150,8 @@ def test_admission_counts_only_servers_the_client_can_route_to() -> None:
 async def test_health_is_unavailable_with_the_reason_when_no_route_can_be_made() -> None:
     from types import SimpleNamespace
 
+    from gateway.backends.swarm_view import with_client_view
     from gateway.routes.health import health
-    from gateway.swarm_view import with_client_view
 
     m = manager(span("A", 0, 2), span("B", 2, 4))
     m.fault("B", PeerError("server B closed the stream", "B"))

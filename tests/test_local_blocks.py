@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from gateway.swarm_backend import SwarmBackend
+from gateway.backends.swarm import SwarmBackend
 from swarm_client import AutoDistributedModelForCausalLM, runtime
 from swarm_client.local_span import LocalSession
 from swarm_client.routing import LOCAL_PEER, RouteHop

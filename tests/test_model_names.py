@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from gateway.adapters import public_model_id
+from gateway.backends.adapters import public_model_id
 from tests.gateway_fixtures import Gateway, shared_gateway, tiny_model_dir
 
 

@@ -11,7 +11,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from gateway.local_backend import LocalBackend
+from gateway.backends.local import LocalBackend
 from swarm_client.model_source import SMOLLM2_ID
 from tests.gateway_fixtures import Gateway, start_gateway
 from tests.test_tool_calling import open_webui_request, stream_open_webui_style

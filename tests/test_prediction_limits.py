@@ -9,7 +9,7 @@ import json
 import threading
 import time
 
-from gateway.prompting import PromptRules
+from gateway.decode.prompting import PromptRules
 from tests.gateway_fixtures import Gateway, shared_gateway
 
 SMALL = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}

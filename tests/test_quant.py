@@ -248,7 +248,7 @@ def test_cuda_quantization_without_bitsandbytes_says_how_to_install_it():
 
 
 def test_status_and_swarm_view_show_the_quantization():
-    from gateway.swarm_view import with_quant
+    from gateway.backends.swarm_view import with_quant
     from swarm_client.dht_records import RemoteSpanInfo
     from swarmserve.cli.status import render_status
 

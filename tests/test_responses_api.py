@@ -10,7 +10,7 @@ from collections.abc import Iterator
 import openai
 import pytest
 
-from gateway.responses_store import ResponsesStore
+from gateway.responses.store import ResponsesStore
 from tests.gateway_fixtures import (
     REQUEST_TIMEOUT_S,
     Gateway,
@@ -329,7 +329,7 @@ def test_store_evicts_through_the_api(gw: Gateway, client: openai.OpenAI) -> Non
 
 @pytest.fixture(scope="module")
 def swarm_gateways(tiny_llama: str) -> Iterator[dict[str, Gateway]]:
-    from gateway.swarm_backend import SwarmBackend
+    from gateway.backends.swarm import SwarmBackend
     from tests.swarm_fixtures import Swarm
 
     s = Swarm(tiny_llama)

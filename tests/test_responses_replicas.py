@@ -21,8 +21,8 @@ import psutil
 import pytest
 
 from gateway.errors import ServiceUnavailableError
-from gateway.responses_redis import RedisResponsesStore
-from gateway.responses_store import StoredResponse
+from gateway.responses.redis_store import RedisResponsesStore
+from gateway.responses.store import StoredResponse
 from tests.conftest import RedisServer, free_port
 from tests.gateway_fixtures import REQUEST_TIMEOUT_S, tiny_model_dir
 from tests.test_responses_tools import RESPONSE_TOOLS

@@ -14,7 +14,7 @@ import httpx
 import openai
 import pytest
 
-from gateway.responses_store import ResponsesStore, StoredResponse
+from gateway.responses.store import ResponsesStore, StoredResponse
 from tests.gateway_fixtures import REQUEST_TIMEOUT_S, Gateway, shared_gateway, start_gateway
 
 
@@ -149,8 +149,8 @@ def test_open_gateway_responses_belong_to_their_caller(gw: Gateway) -> None:
 
 def test_rate_limit_estimate_counts_tools_and_call_items() -> None:
     """The TPM estimate of a Responses request counts its tools and its calls' arguments and outputs, as
-    chat's counts tools and messages (gateway/token_estimates.py)."""
-    from gateway.token_estimates import ModelTokenCounter, estimate_tokens
+    chat's counts tools and messages (gateway/admission/token_estimates.py)."""
+    from gateway.admission.token_estimates import ModelTokenCounter, estimate_tokens
     from tests.gateway_fixtures import tiny_tokenizer
 
     counter = ModelTokenCounter(tiny_tokenizer())

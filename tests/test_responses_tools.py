@@ -170,8 +170,8 @@ def test_bad_tools_are_400s_naming_them(gw: Gateway, client: openai.OpenAI, body
 
 
 def _plan(fmt_name: str = "hermes") -> Any:
-    from gateway.responses_tools import plan_response_tools
-    from gateway.tool_formats import TOOL_FORMATS
+    from gateway.responses.tools import plan_response_tools
+    from gateway.tools.formats import TOOL_FORMATS
 
     return plan_response_tools(RESPONSE_TOOLS, "auto", None, TOOL_FORMATS[fmt_name])  # type: ignore[index]
 
@@ -179,7 +179,7 @@ def _plan(fmt_name: str = "hermes") -> Any:
 def test_output_items_streamed_piece_by_piece_equal_the_whole() -> None:
     """Text, a call, more text: a message, a function_call, a second message — whether the reply comes a
     character at a time (events in OpenAI's order, indexes counting up) or all at once."""
-    from gateway.responses_output import OutputItems
+    from gateway.responses.output import OutputItems
 
     reply = 'Let me look.\n<tool_call>\n{"name": "get_time", "arguments": {"zone": "UTC"}}\n</tool_call>\nDone.'
     whole = OutputItems(_plan(), "msg_1")
@@ -211,7 +211,7 @@ def test_output_items_streamed_piece_by_piece_equal_the_whole() -> None:
 
 
 def test_output_items_cut_short_mark_the_open_call_incomplete() -> None:
-    from gateway.responses_output import OutputItems
+    from gateway.responses.output import OutputItems
 
     items = OutputItems(_plan(), "msg_1")
     items.start(), items.feed('<tool_call>\n{"name": "get_time", "arguments": {"zone": "U'), items.finish("incomplete")
@@ -263,7 +263,7 @@ def test_parallel_tool_calls_false_makes_one_call(gw: Gateway, client: openai.Op
 def test_input_items_become_chat_messages() -> None:
     """Calls join the assistant message before them; results become tool messages answering a known call."""
     from gateway.errors import InvalidRequestError
-    from gateway.responses_input import called_ids, input_messages
+    from gateway.responses.input import called_ids, input_messages
 
     call = {"type": "function_call", "call_id": "call_1", "name": "get_time", "arguments": "{}"}
     items = [

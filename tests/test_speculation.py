@@ -1,4 +1,4 @@
-"""Speculative decoding's rules (gateway/speculation.py): verification keeps exactly what plain decoding
+"""Speculative decoding's rules (gateway/speculation/verify.py): verification keeps exactly what plain decoding
 would sample, the acceptance follows the rejection-sampling rule, and the planner guesses only while it pays.
 The engine over a real in-process model (LocalBackend) decodes the same tokens with and without guesses."""
 
@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from gateway.speculation import SpeculationPlanner, StepCosts, expected_tokens, verify
+from gateway.speculation.verify import SpeculationPlanner, StepCosts, expected_tokens, verify
 
 
 def _peaked(token: int, vocab: int = 8) -> torch.Tensor:
@@ -139,7 +139,7 @@ def test_step_costs_learn_the_extra_token_cost() -> None:
 
 @pytest.fixture(scope="module")
 def local_backend(tiny_llama):
-    from gateway.local_backend import LocalBackend
+    from gateway.backends.local import LocalBackend
 
     backend = LocalBackend(tiny_llama)
     yield backend
@@ -147,7 +147,7 @@ def local_backend(tiny_llama):
 
 
 def _engine(backend, **settings):
-    from gateway.engine import Engine
+    from gateway.decode.engine import Engine
     from gateway.settings import GatewaySettings
 
     return Engine(backend, GatewaySettings(model="tiny", **settings))
@@ -166,8 +166,8 @@ def _tokens(result) -> list[int]:
 
 
 def _spec(prompt, max_tokens=40, speculation="auto", index=0, **sampling):
-    from gateway.choices import ChoiceSpec
-    from gateway.sampling import SamplingParams
+    from gateway.decode.choices import ChoiceSpec
+    from gateway.decode.sampling import SamplingParams
 
     params = SamplingParams(**({"temperature": 0.0} | sampling))
     return ChoiceSpec(index, list(prompt), max_tokens, params, logprobs=2, speculation=speculation)

@@ -20,7 +20,7 @@ import openai
 import pytest
 import torch
 
-from gateway.local_backend import LocalBackend
+from gateway.backends.local import LocalBackend
 from tests.gateway_fixtures import Gateway, InstrumentedBackend, start_gateway, swarm_gateway, tiny_model_dir
 from tests.swarm_fixtures import swarm
 from tests.test_structured_outputs import HELLO, JSON_SCHEMA, MAX_TOKENS, assert_valid
@@ -111,9 +111,9 @@ def test_guesses_the_grammar_forbids_are_not_sent(gw: Gateway) -> None:
 
     from transformers import AutoTokenizer
 
-    from gateway.prompting import eos_token_ids
-    from gateway.speculation import ChoiceSpeculator, StepCosts
-    from gateway.structured import StructuredOutputs
+    from gateway.decode.prompting import eos_token_ids
+    from gateway.grammars.structured import StructuredOutputs
+    from gateway.speculation.verify import ChoiceSpeculator, StepCosts
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir())
     eos = eos_token_ids(gw.backend)

@@ -14,8 +14,8 @@ from collections.abc import Iterator
 import pytest
 
 from gateway import GatewaySettings, LocalBackend
+from gateway.admission.stream_slots import CHOICES_PER_CORE, StreamSlots, auto_stream_slots
 from gateway.errors import InvalidRequestError
-from gateway.stream_slots import CHOICES_PER_CORE, StreamSlots, auto_stream_slots
 from tests.gateway_fixtures import (
     REQUEST_TIMEOUT_S,
     Gateway,

@@ -9,13 +9,13 @@ import random
 
 import pytest
 
-from gateway.chat_messages import chat_messages
+from gateway.api.chat_messages import chat_messages
 from gateway.errors import InvalidRequestError
-from gateway.openai_schema import ChatCompletionMessageParam, ChatCompletionRequest
-from gateway.tool_calling import plan_tools
-from gateway.tool_formats import TOOL_FORMATS, detect_tool_format, tool_call_id
-from gateway.tool_grammar import MAX_PARALLEL_CALLS, tool_call_grammar
-from gateway.tool_parser import ToolCallDelta, ToolCallParser, parse_tool_calls
+from gateway.schema.requests import ChatCompletionMessageParam, ChatCompletionRequest
+from gateway.tools.formats import TOOL_FORMATS, detect_tool_format, tool_call_id
+from gateway.tools.grammar import MAX_PARALLEL_CALLS, tool_call_grammar
+from gateway.tools.parser import ToolCallDelta, ToolCallParser, parse_tool_calls
+from gateway.tools.plan import plan_tools
 from swarm_client.tiny_model import CHAT_TEMPLATE, build_tokenizer
 
 HERMES, LLAMA, MISTRAL, PROMPT = (TOOL_FORMATS[n] for n in ("hermes", "llama3_json", "mistral", "prompt"))
@@ -319,7 +319,7 @@ def test_parser_keeps_at_most_max_calls(fmt, text) -> None:
 def test_tool_schemas_close_objects_that_list_their_properties() -> None:
     """An object listing ``properties`` takes no other keys unless its schema says so (as xgrammar's strict
     mode does in vLLM); open objects, explicit choices and the request's own schema stay as they are."""
-    from gateway.tool_grammar import closed_objects
+    from gateway.tools.grammar import closed_objects
 
     schema = {
         "type": "object",

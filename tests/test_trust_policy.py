@@ -92,7 +92,7 @@ def test_spot_checkers_of_an_end_block_are_trusted():
 
 @pytest.mark.slow
 def test_every_route_starts_and_ends_on_the_trusted_peer(tiny_llama, local_llama):
-    from gateway.swarm_backend import SwarmBackend
+    from gateway.backends.swarm import SwarmBackend
 
     reference = local_llama.generate(PROMPT, max_new_tokens=NEW_TOKENS, do_sample=False)[0, PROMPT.shape[1] :]
     s = Swarm(tiny_llama)

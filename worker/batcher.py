@@ -28,7 +28,7 @@ import torch
 from worker.batch_policy import ArrivalPredictor, BatchCosts, plan_wait
 from worker.compute import SpanRunner, StepItem
 
-#: the longest step that counts as a decode step: a token and up to 16 guesses (gateway/speculation.py)
+#: the longest step that counts as a decode step: a token and up to 16 guesses (gateway/speculation/verify.py)
 DECODE_STEP_MAX_TOKENS = 17
 
 

@@ -1,7 +1,2 @@
-"""HTTP routers: each a few lines that hand a parsed request to ``gateway.serving`` or the backend."""
-
-from gateway.routes import chat, completions, health, models, responses
-
-ROUTERS = (chat.router, completions.router, models.router, health.router, responses.router)
-
-__all__ = ["ROUTERS"]
+"""HTTP routers: each a few lines that hand a parsed request to ``gateway.api.serving`` or the backend;
+``gateway.app`` mounts them."""

@@ -1,8 +1,8 @@
 from fastapi import APIRouter, Request, Response
 
-from gateway.openai_schema import ChatCompletionRequest
+from gateway.api.serving import create_chat_completion
 from gateway.routes.deps import ChatBody, EngineDep, openapi_body
-from gateway.serving import create_chat_completion
+from gateway.schema.requests import ChatCompletionRequest
 
 router = APIRouter(tags=["openai"])
 

@@ -2,7 +2,7 @@
 
 One self-contained file (``gateway/static/chat.html``: inline CSS and JS, no CDN, so it works on an offline
 swarm). It streams with ``fetch`` and shows each reply's route (the ``x-swarm-route`` header,
-gateway/route_info.py) and tokens/s; Stop aborts the fetch, and the gateway then cancels the request and
+gateway/api/route_info.py) and tokens/s; Stop aborts the fetch, and the gateway then cancels the request and
 frees the servers' caches. A random ``X-Session-Id`` per conversation lets follow-ups reuse those caches.
 """
 

@@ -1,8 +1,8 @@
 from fastapi import APIRouter, Request, Response
 
-from gateway.openai_schema import CompletionRequest
+from gateway.api.serving import create_completion
 from gateway.routes.deps import CompletionBody, EngineDep, openapi_body
-from gateway.serving import create_completion
+from gateway.schema.requests import CompletionRequest
 
 router = APIRouter(tags=["openai"])
 

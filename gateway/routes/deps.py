@@ -8,10 +8,11 @@ from typing import Annotated, Any, TypeVar
 from fastapi import Depends, Request
 from pydantic import BaseModel
 
-from gateway.backend import ModelBackend
-from gateway.engine import Engine
-from gateway.openai_schema import ChatCompletionRequest, CompletionRequest, OpenAIRequestModel, parse_request
-from gateway.openapi_responses import generation_responses
+from gateway.api.openapi_responses import generation_responses
+from gateway.backends.base import ModelBackend
+from gateway.decode.engine import Engine
+from gateway.schema.base import OpenAIRequestModel, parse_request
+from gateway.schema.requests import ChatCompletionRequest, CompletionRequest
 from gateway.settings import GatewaySettings
 
 RequestT = TypeVar("RequestT", bound=OpenAIRequestModel)
@@ -41,7 +42,7 @@ def _body(model_cls: type[RequestT]) -> Callable[[Request], Awaitable[RequestT]]
 
 def openapi_body(model_cls: type[BaseModel]) -> dict[str, Any]:
     """``openapi_extra`` declaring ``model_cls`` as the JSON request body, and the route's answers (SSE,
-    errors: ``gateway.openapi_responses``). ``_body`` parses bodies itself, so
+    errors: ``gateway.api.openapi_responses``). ``_body`` parses bodies itself, so
     FastAPI would leave them out of the OpenAPI schema (and clients or fuzzers built from it would send none).
     Pydantic's ``$defs`` are inlined: the schema sits inside the document, where ``#/$defs/...`` resolves
     against the document's root."""

@@ -3,7 +3,7 @@
 
 ``/health``'s ``status``: "ok"; "degraded" (still 200: requests are taken, and wait in the gateway's line
 for room) when every block is served but no server of some block has room for a new session right now —
-``full_blocks`` names them and ``cache`` gives the swarm's KV-cache figures (``gateway/swarm_view.py``);
+``full_blocks`` names them and ``cache`` gives the swarm's KV-cache figures (``gateway/backends/swarm_view.py``);
 "unavailable" (503 + Retry-After) when blocks are missing, when no route can be made (``unroutable_blocks``:
 every ONLINE server of a block is banned by this gateway; ``reason`` says why) or the DHT cannot be read.
 
@@ -11,7 +11,7 @@ every ONLINE server of a block is banned by this gateway; ``reason`` says why) o
 absent, derived from ``num_blocks`` and ``blocks``/``spans`` if present; a backend that says nothing of
 blocks (an in-process model) is healthy.
 
-Both answer from ``app.state.swarm_view`` (gateway/swarm_view.py): the DHT is read on a thread of its own,
+Both answer from ``app.state.swarm_view`` (gateway/backends/swarm_view.py): the DHT is read on a thread of its own,
 once for a whole flood of probes, and a view at most ``STATE_MAX_AGE_S`` old answers without a read.
 """
 
@@ -20,10 +20,10 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse
 
-from gateway.adapters import public_model_id
+from gateway.backends.adapters import public_model_id
+from gateway.backends.swarm_view import STATE_MAX_AGE_S, SwarmView
 from gateway.errors import ServiceUnavailableError
 from gateway.routes.deps import BackendDep, SettingsDep
-from gateway.swarm_view import STATE_MAX_AGE_S, SwarmView
 from swarm_client.errors import SwarmError
 
 __all__ = ["STATE_MAX_AGE_S", "missing_blocks", "router"]

@@ -1,8 +1,8 @@
 from fastapi import APIRouter, Request
 
-from gateway.adapters import ServedModel
-from gateway.openai_schema import Model, ModelList
+from gateway.backends.adapters import ServedModel
 from gateway.routes.deps import EngineDep
+from gateway.schema.replies import Model, ModelList
 
 router = APIRouter(tags=["openai"])
 

@@ -1,16 +1,16 @@
 """``/v1/responses``: create (``POST``), retrieve (``GET /{id}``), delete (``DELETE /{id}``), handed to
-gateway/responses_api.py. The stored responses live in ``app.state.responses_store`` (made by the app: in
-Redis with ``--redis-url``, else in memory; gateway/responses_store.py)."""
+gateway/responses/api.py. The stored responses live in ``app.state.responses_store`` (made by the app: in
+Redis with ``--redis-url``, else in memory; gateway/responses/store.py)."""
 
 from typing import Annotated
 
 from fastapi import APIRouter, Depends, Request, Response
 
-from gateway.openai_schema import parse_request
-from gateway.responses_api import create_response, delete_response, retrieve_response
-from gateway.responses_schema import ResponseCreateRequest
-from gateway.responses_store import ResponseStore
+from gateway.responses.api import create_response, delete_response, retrieve_response
+from gateway.responses.schema import ResponseCreateRequest
+from gateway.responses.store import ResponseStore
 from gateway.routes.deps import EngineDep, openapi_body
+from gateway.schema.base import parse_request
 
 router = APIRouter(tags=["openai"])
 

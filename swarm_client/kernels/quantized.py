@@ -1,5 +1,6 @@
 """Weight-only int8 and NF4 projections on the quantized CPU kernel (``quant_gemm``): ``nn.Linear``'s interface,
-used by quantized workers (worker/quant.py) and by the gateway's quantized draft model (gateway/drafting.py).
+used by quantized workers (worker/quant.py) and by the gateway's quantized draft model
+(gateway/speculation/drafting.py).
 Where the kernel cannot be built they run ``F.linear`` on the dequantized weight (slow, same numbers)."""
 
 from __future__ import annotations

@@ -125,7 +125,7 @@ def client_options(args: argparse.Namespace, settings: Any = None) -> dict[str, 
 
 
 def add_speculation_flags(p: argparse.ArgumentParser) -> None:
-    """Speculative decoding at the head (gateway/speculation.py); unset flags leave the env / defaults."""
+    """Speculative decoding at the head (gateway/speculation/verify.py); unset flags leave the env / defaults."""
     g = p.add_argument_group("speculative decoding")
     g.add_argument(
         "--speculation",

@@ -124,7 +124,7 @@ def run(args: argparse.Namespace, rest: list[str]) -> int:
 
 
 def _serve(args: argparse.Namespace, swarm, stop) -> int:
-    from gateway.adapters import public_model_id
+    from gateway.backends.adapters import public_model_id
     from gateway.run import GatewayConfig, quiet_http_logs, serving_gateway
     from gateway.settings import GatewaySettings
     from swarm_client.model_source import ModelNotFoundError, resolve_model_path

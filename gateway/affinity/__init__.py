@@ -1,0 +1,1 @@
+"""Session affinity: which server-side KV caches hold which conversation, in memory or in Redis."""

@@ -1,0 +1,1 @@
+"""The OpenAI surface: wire types, request checks, prompts, SSE streams and the chat/completions handlers."""

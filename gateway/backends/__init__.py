@@ -1,0 +1,1 @@
+"""What computes logits: the ``ModelBackend`` protocol, a local 🤗 model, the swarm."""

@@ -1,0 +1,1 @@
+"""The decode engine: choices, the decode loop, sampling, logprobs, stop strings, detokenizing."""

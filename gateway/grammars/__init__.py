@@ -1,0 +1,1 @@
+"""Structured outputs: JSON-schema grammars (llguidance), their compile cost and size limits."""

@@ -1,0 +1,1 @@
+"""Speculative decoding at the head: drafters, which one a choice gets, and exact verification."""
