@@ -113,6 +113,43 @@ def test_request_the_swarm_could_never_hold_is_a_400_naming_the_limit(gateway: G
     assert "at most max_output_tokens=" in error["message"], error
 
 
+def _chat_of(tokens_at_least: int, tiny_llama: str) -> tuple[list[dict], int]:
+    """A one-message chat whose rendered prompt is at least ``tokens_at_least`` tokens (and only a word more),
+    and its length."""
+    words = ["the", "swarm", "serves", "every", "block", "of", "the", "model", "from", "volunteers'", "machines"]
+    count = 0
+    while True:
+        count += 1 if count * 2 > tokens_at_least else 8  # near the goal, one word at a time
+        messages = [{"role": "user", "content": " ".join(words[i % len(words)] for i in range(count))}]
+        n = len(chat_prompt_ids(messages, tiny_llama))
+        if n >= tokens_at_least:
+            return messages, n
+
+
+@pytest.mark.slow
+def test_default_max_tokens_fits_what_the_cache_leaves(gateway: Gateway, tiny_llama: str) -> None:
+    """A user who sets no ``max_tokens`` gets the reply that fits the largest server cache, not a 400 naming a
+    ``max_tokens`` they never chose (issue 40: "at most max_tokens=99 fits" on turn 5 of a chat)."""
+    client = gateway.client(max_retries=0)
+    default = gateway.server.app.state.engine.settings.default_max_tokens
+    messages, prompt = _chat_of(CACHE_TOKENS - default // 2, tiny_llama)  # prompt + the default > the cache
+    assert prompt + default > CACHE_TOKENS > prompt
+    reply = client.chat.completions.create(model=gateway.model, messages=messages, logit_bias=_no_eos())
+    usage, finish = reply.usage, reply.choices[0].finish_reason
+    print(f"{prompt} prompt tokens, no max_tokens: {usage.completion_tokens} tokens, {finish}")
+    assert reply.choices[0].finish_reason == "length"
+    assert reply.usage.completion_tokens == CACHE_TOKENS - prompt
+    with pytest.raises(openai.BadRequestError) as asked:  # a max_tokens the user did choose: told what fits
+        client.chat.completions.create(model=gateway.model, messages=messages, max_tokens=default)
+    assert f"at most max_tokens={CACHE_TOKENS - prompt} fits" in asked.value.body["message"]
+    messages, prompt = _chat_of(CACHE_TOKENS + 10, tiny_llama)  # the conversation itself outgrew the cache
+    with pytest.raises(openai.BadRequestError) as outgrown:
+        client.chat.completions.create(model=gateway.model, messages=messages)
+    error = outgrown.value.body
+    print(f"{prompt} prompt tokens: {error['message']}")
+    assert error["code"] == "cache_capacity_exceeded" and "start a new one" in error["message"], error
+
+
 @pytest.mark.slow
 def test_a_big_request_that_fits_does_not_starve_a_small_one(
     gateway: Gateway, tiny_llama: str, local_llama: Any

@@ -85,10 +85,20 @@ def admission_need(engine: Engine, specs: Sequence[ChoiceSpec]) -> Need | None:
     if longest > room.largest:
         spec = specs[sizes.index(longest)]
         prompt, fits = len(spec.prompt_ids), room.largest - len(spec.prompt_ids)
-        hint = f"at most max_tokens={fits} fits this prompt" if fits > 0 else "the prompt alone does not fit"
+        if fits > 0:
+            message = (
+                f"max_tokens: {prompt} prompt tokens + max_tokens {spec.max_tokens} = {longest} tokens per choice "
+                f"exceed the largest KV cache any server of the swarm holds ({room.largest} tokens); at most "
+                f"max_tokens={fits} fits this prompt."
+            )
+        else:
+            message = (
+                f"the prompt is {prompt} tokens, more than the largest KV cache any server of the swarm holds "
+                f"({room.largest} tokens): shorten the conversation (its history, system prompt or tools) or start "
+                "a new one."
+            )
         raise InvalidRequestError(
-            f"max_tokens: {prompt} prompt tokens + max_tokens {spec.max_tokens} = {longest} tokens per choice "
-            f"exceed the largest KV cache any server of the swarm holds ({room.largest} tokens); {hint}.",
+            message,
             param="max_tokens",
             code=CACHE_CAPACITY_EXCEEDED,
         )

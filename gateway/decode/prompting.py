@@ -23,6 +23,7 @@ from typing import Any
 
 from gateway.backends.adapters import ServedModel, parse_adapter_aliases, public_model_id, select_model, served_models
 from gateway.backends.base import AdapterBackend, ModelBackend
+from gateway.backends.swarm_view import backend_room
 from gateway.decode.detokenize import TokenVocab
 from gateway.decode.tokenize_thread import TokenizeThread, encode_lazily, tokens_past
 from gateway.errors import ContextLengthExceededError, InvalidRequestError, ModelNotFoundError
@@ -126,7 +127,9 @@ class PromptRules:
 
     def max_tokens_for(self, prompt_len: int, requested: int | None, *, param: str) -> int:
         """The completion budget: ``requested`` if it fits the context window (else a 400 naming both), or
-        ``min(default_max_tokens, what is left)`` when the request names none."""
+        ``min(default_max_tokens, what is left)`` when the request names none — what is left of the context
+        window and of the largest KV cache one server of the swarm holds: a user who set no ``max_tokens``
+        gets a shorter reply, not a 400 telling them a ``max_tokens`` they never chose is too large."""
         limit = self.backend.max_context
         if requested is not None:
             if prompt_len + requested > limit:
@@ -138,7 +141,11 @@ class PromptRules:
             raise ContextLengthExceededError(
                 max_context=limit, prompt_tokens=prompt_len, completion_tokens=1, param=param
             )
-        return min(self.settings.default_max_tokens, limit - prompt_len)
+        budget = min(self.settings.default_max_tokens, limit - prompt_len)
+        room = backend_room(self.backend)
+        if room is not None and 0 < room.largest - prompt_len < budget:
+            return room.largest - prompt_len
+        return budget
 
     @functools.cached_property
     def system_fingerprint(self) -> str:
