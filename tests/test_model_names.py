@@ -73,3 +73,31 @@ def test_models_and_completions_show_the_name_and_the_path_still_selects(gw: Gat
     _no_path(models.text)
     assert by_path.status_code == 200 and by_path.json()["model"] == "tiny-llama"
     _no_path(by_path.text)
+
+
+def test_served_model_name_is_the_name_clients_use() -> None:
+    """``--served-model-name`` (vLLM's flag; ``--model-id`` still works) on ``gateway`` and ``up``: the name
+    /v1/models shows and requests select, whatever ``--model`` is."""
+    from gateway import LocalBackend
+    from swarmserve.cli import build_parser
+    from tests.gateway_fixtures import start_gateway
+
+    parser = build_parser()
+    peers = ["--initial-peers", "/ip4/127.0.0.1/tcp/31337/p2p/QmPeer"]
+    for flag in ("--served-model-name", "--model-id"):
+        args = parser.parse_args(["gateway", "--model", "/srv/models/llama", *peers, flag, "team-llama"])
+        assert args.model_id == "team-llama"
+    assert parser.parse_args(["up", "--served-model-name", "team-llama"]).model_id == "team-llama"
+    assert parser.parse_args(["up"]).model_id is None
+
+    gw = start_gateway(LocalBackend(tiny_model_dir(), model_id="team-llama"))
+    try:
+        client = gw.client(max_retries=0)
+        assert [m.id for m in client.models.list().data] == ["team-llama"]
+        reply = client.chat.completions.create(
+            model="team-llama", messages=[{"role": "user", "content": "hi"}], max_tokens=2
+        )
+        assert reply.model == "team-llama"
+        _no_path(reply.model_dump_json())
+    finally:
+        gw.server.stop()

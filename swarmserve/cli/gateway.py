@@ -15,7 +15,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model", required=True, help="local path or 🤗 id of the model the swarm serves")
     p.add_argument("--initial-peers", nargs="+", required=True, help="multiaddr(s) of DHT peers")
     p.add_argument("--dht-prefix", default=None, help="DHT namespace (default: the model's basename)")
-    p.add_argument("--model-id", default=None, help="the name clients use (default: --model)")
+    p.add_argument(
+        "--served-model-name",
+        "--model-id",
+        dest="model_id",
+        default=None,
+        help="the model name clients send and /v1/models shows, as vLLM's flag (default: --model, or its "
+        "directory's name when --model is a path)",
+    )
     p.add_argument(
         "--adapter-alias",
         nargs="+",

@@ -40,6 +40,12 @@ UP_PREFIX = "swarmserve up:"
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = subcommand(sub, "up", "DHT + N block servers + gateway on this machine, with one command")
     p.add_argument("--model", default=DEFAULT_MODEL, help="local path or 🤗 id")
+    p.add_argument(
+        "--served-model-name",
+        dest="model_id",
+        default=None,
+        help="the model name clients send and /v1/models shows (default: --model, or its directory's name)",
+    )
     p.add_argument("--workers", type=int, default=2, help="block servers; the model's blocks are split evenly")
     add_listen_flags(p, "the HTTP API", 8000)
     p.add_argument("--device", default="cpu", help="workers' device: cpu, cuda or cuda:N")
@@ -191,9 +197,11 @@ def _serve(args: argparse.Namespace, swarm, stop) -> int:
     )
     if settings.trusted_peers:
         say(f"trust policy: only {', '.join(settings.trusted_peers)} may serve the first and the last block")
-    cfg = GatewayConfig(settings, dht_prefix=swarm.prefix, client_options=client_options(args, settings))
+    cfg = GatewayConfig(
+        settings, model_id=args.model_id, dht_prefix=swarm.prefix, client_options=client_options(args, settings)
+    )
     with serving_gateway(cfg, dht=swarm.dht, log_level="warning") as (server, _backend):
-        served_name = public_model_id(args.model)  # the name /v1/models and every answer show
+        served_name = public_model_id(args.model_id or args.model)  # the name /v1/models and every answer show
         say(f"gateway ready; OpenAI base URL: {server.base_url}  (model: {served_name!r})")
         if adapters:
             say("LoRA adapters, each a model: " + ", ".join(f"{served_name}:{name}" for name in adapters))
