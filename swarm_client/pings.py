@@ -14,6 +14,7 @@ them when they are the only option.
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import time
 from collections.abc import Callable, Collection, Coroutine, Mapping
 from typing import Any
@@ -50,12 +51,28 @@ def ping_failure_reason(error: PeerError, timeout: float, addrs: Collection[str]
     announces = f" (announces {', '.join(addrs)})" if addrs else ""
     if isinstance(error, PeerTimeout) and connected:
         return f"did not answer a ping within {timeout:.1f} s on a live connection: overloaded"
+    if isinstance(error, PeerTimeout) and addrs and all(_is_loopback(a) for a in addrs):
+        return (
+            f"did not answer a ping within {timeout:.1f} s{announces}: a server on this machine, so overloaded, "
+            "frozen or stopped (not NAT)"
+        )
     if isinstance(error, PeerTimeout):
         return (
             f"did not answer a ping within {timeout:.1f} s{announces} — it may be behind NAT without a port "
             "forward; its operator should forward the port and pass --public-ip"
         )
     return f"failed a ping{announces}: {error}"
+
+
+def _is_loopback(maddr: str) -> bool:
+    """``/ip4/127.0.0.1/tcp/…`` or ``/ip6/::1/…``: an address only this machine can dial."""
+    parts = maddr.split("/")
+    if len(parts) < 3:
+        return False
+    try:
+        return ipaddress.ip_address(parts[2]).is_loopback
+    except ValueError:
+        return False
 
 
 async def connected(p2p: Any, peer_id: str) -> bool:

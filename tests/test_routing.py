@@ -409,6 +409,11 @@ def test_ping_failure_reason_hints_at_nat_for_a_timeout_only():
     text = ping_failure_reason(PeerTimeout("x"), 3.0, ("/ip4/10.232.0.2/tcp/31330",))
     assert "within 3.0 s (announces /ip4/10.232.0.2/tcp/31330)" in text and "--public-ip" in text
     assert "NAT" not in ping_failure_reason(PeerError("connection refused"), 3.0)
+    # a server announcing only loopback addresses runs on this machine: no NAT hint (issue 40)
+    local = ping_failure_reason(PeerTimeout("x"), 3.0, ("/ip4/127.0.0.1/tcp/31330", "/ip6/::1/tcp/31330"))
+    assert "--public-ip" not in local and "on this machine" in local, local
+    mixed = ping_failure_reason(PeerTimeout("x"), 3.0, ("/ip4/127.0.0.1/tcp/1", "/ip4/10.232.0.2/tcp/1"))
+    assert "--public-ip" in mixed
 
 
 def test_settle_stops_waiting_on_a_silent_peer_once_others_cover_the_blocks():
