@@ -173,3 +173,11 @@ def test_resuming_an_unknown_session_is_not_found(dist):
     }
     with pytest.raises(SessionNotFoundError), dist.inference_session(resume_state=state):
         pass
+
+
+def test_workers_with_default_flags_size_their_cache_from_memory(dist):
+    """No --cache-tokens: each worker's budget is sized from free memory, capped at 8 context windows of the
+    model (the tiny model's 2048 tokens: 16384 slots here), and its ready line says how (issue 40)."""
+    for worker in dist.swarm.workers:
+        ready = next(line for line in worker.lines if line.startswith("swarmserve worker ready:"))
+        assert "cache 16384 tokens (auto: 8 × the 2048-token context)" in ready, ready

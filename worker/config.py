@@ -28,7 +28,8 @@ class WorkerConfig:
     quant: str = "none"
     #: LoRA adapters served beside the base blocks (``--adapters NAME=PATH``; swarm_client/lora.py)
     adapters: list[AdapterSpec] = field(default_factory=list)
-    cache_tokens: int = 16384
+    #: KV-cache budget in token slots; None: sized from free memory (worker/cache_size.py)
+    cache_tokens: int | None = None
     session_ttl: float = 300.0
     idle_timeout: float = 300.0
     host: str = "127.0.0.1"

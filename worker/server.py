@@ -35,6 +35,7 @@ from worker import relay
 from worker.announce import declare_span
 from worker.block_selection import choose_best_blocks
 from worker.cache import CacheManager
+from worker.cache_size import CacheSize, resolve_cache_tokens
 from worker.compute import SpanRunner
 from worker.config import WorkerConfig, announce_list, cache_settings
 from worker.handler import BlockHandler, HandlerLimits
@@ -74,6 +75,8 @@ class BlockServer:
         self.expiration = cfg.expiration or max(3 * cfg.update_period, 15.0)
         self.dht: DHT | None = None
         self.handler: BlockHandler | None = None
+        #: the KV-cache budget: --cache-tokens, or sized from free memory once the span is loaded
+        self.cache_size = CacheSize(cfg.cache_tokens or 0, "--cache-tokens" if cfg.cache_tokens else "auto")
         self.switch: HandlerSwitch | None = None
         self.state = ServerState.JOINING
         self.start = self.end = 0
@@ -127,7 +130,7 @@ class BlockServer:
             f"swarmserve worker ready: serving blocks {self.start}:{self.end} of {self.total_blocks} "
             f"({self.dht_prefix}, {self.family.name} family, {self.dtype}, quant {self.quant}, {self.device}) "
             f"as peer {self.dht.peer_id.to_base58()}; throughput {self.throughput:.1f} tok/s; "
-            f"cache {cfg.cache_tokens} tokens",
+            f"cache {self.cache_size.tokens} tokens ({self.cache_size.how})",
             flush=True,
         )
         for maddr in maddrs:
@@ -218,7 +221,12 @@ class BlockServer:
         )
         runner = SpanRunner(blocks, self.dtype, self.device)
         layout = self.family.cache_layout(self.config)
-        caches = CacheManager(cfg.cache_tokens, len(blocks), layout, self.dtype, self.device, **cache_settings(cfg))
+        self.cache_size = resolve_cache_tokens(
+            cfg.cache_tokens, layout, self.dtype, len(blocks), self.device, self.config
+        )
+        caches = CacheManager(
+            self.cache_size.tokens, len(blocks), layout, self.dtype, self.device, **cache_settings(cfg)
+        )
         if self.handler is None:  # per-block tok/s: the same wherever the span lies, so a move reuses it
             self.throughput = cfg.throughput or await asyncio.to_thread(
                 measure_throughput, runner, self.config.hidden_size, layout, self.dtype, self.device
@@ -270,7 +278,7 @@ class BlockServer:
         return choose_best_blocks(num, spans_from_records(records), self.total_blocks)
 
     def _server_info(self, state: ServerState, span: tuple[int, int] | None = None) -> ServerInfo:
-        tokens_left = self.handler.caches.tokens_left if self.handler else self.cfg.cache_tokens
+        tokens_left = self.handler.caches.tokens_left if self.handler else self.cache_size.tokens
         start, end = span or (self.start, self.end)
         return ServerInfo(
             state=state,
@@ -278,7 +286,7 @@ class BlockServer:
             end_block=end,
             throughput=float(self.throughput),
             cache_tokens_left=max(0, tokens_left),
-            cache_tokens_total=self.cfg.cache_tokens,
+            cache_tokens_total=self.cache_size.tokens,
             sessions_left=self.handler.caches.room()["sessions_left"] if self.handler else self.cfg.max_sessions,
             version=PROTOCOL_VERSION,
             dtype=str(self.dtype).removeprefix("torch."),

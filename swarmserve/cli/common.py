@@ -144,3 +144,16 @@ def swarmserve_command() -> str:
     if script.is_file() and os.access(script, os.X_OK):
         return shlex.quote(str(script.absolute()))
     return f"{shlex.quote(str(Path(sys.executable).absolute()))} -m swarmserve"
+
+
+def cache_tokens_arg(text: str) -> int | None:
+    """``--cache-tokens``: a positive number of token slots, or ``auto`` (None: sized from free memory)."""
+    if text.strip().lower() == "auto":
+        return None
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive number of token slots or 'auto', not {text!r}")
+    return value

@@ -17,6 +17,7 @@ import time
 from swarmserve.cli.common import (
     DEFAULT_MODEL,
     add_listen_flags,
+    cache_tokens_arg,
     interruptible,
     require_gateway_extra,
     stop_on_signals,
@@ -50,7 +51,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     add_listen_flags(p, "the HTTP API", 8000)
     p.add_argument("--device", default="cpu", help="workers' device: cpu, cuda or cuda:N")
     p.add_argument("--dtype", default="auto", choices=DTYPES, help="workers' weights (auto: the checkpoint's)")
-    p.add_argument("--cache-tokens", type=int, default=16384, help="KV-cache budget of each worker (tokens)")
+    p.add_argument(
+        "--cache-tokens",
+        type=cache_tokens_arg,
+        default=None,
+        metavar="N|auto",
+        help="KV-cache budget of each worker in token slots (default auto: sized from free memory, see worker)",
+    )
     p.add_argument("--torch-threads", type=int, default=None, help="threads per worker (default: CPU cores / workers)")
     p.add_argument("--throughput", type=float, default=None, help="workers announce this tok/s instead of measuring")
     p.add_argument(
@@ -166,7 +173,7 @@ def _serve(args: argparse.Namespace, swarm, stop) -> int:
         f"{swarm.num_blocks} blocks from {model_dir}; {len(spans)} worker(s): "
         + ", ".join(f"{a}:{b}" for a, b in spans)
     )
-    extra = ["--device", args.device, "--dtype", args.dtype, "--cache-tokens", str(args.cache_tokens)]
+    extra = ["--device", args.device, "--dtype", args.dtype, "--cache-tokens", str(args.cache_tokens or "auto")]
     if args.throughput is not None:
         extra += ["--throughput", str(args.throughput)]
     if adapters:

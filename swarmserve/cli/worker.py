@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from swarmserve.cli.common import add_listen_flags, blocks_arg, subcommand
+from swarmserve.cli.common import add_listen_flags, blocks_arg, cache_tokens_arg, subcommand
 from swarmserve.cli.dht import add_announce_flags, announced_maddrs
 
 DTYPES = ["auto", "float32", "bfloat16", "float16"]
@@ -55,7 +55,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "one per session (active_adapter), the gateway lists each as the model BASE:NAME "
         "(default: $SWARMSERVE_ADAPTERS, space-separated)",
     )
-    p.add_argument("--cache-tokens", type=int, default=16384, help="KV-cache budget in token slots")
+    p.add_argument(
+        "--cache-tokens",
+        type=cache_tokens_arg,
+        default=None,
+        metavar="N|auto",
+        help="KV-cache budget in token slots; auto (default): what 80%% of the GPU's free memory (25%% of the "
+        "RAM available on a CPU) holds after the weights, at most 8 context windows of the model",
+    )
     p.add_argument("--session-ttl", type=float, default=300.0, help="keep a finished session's cache this long (s)")
     p.add_argument("--idle-timeout", type=float, default=300.0, help="close a stream idle for this long (s)")
     p.add_argument("--max-sessions", type=int, default=4096, help="sessions of all peers together")
@@ -156,6 +163,13 @@ def run(args: argparse.Namespace, rest: list[str]) -> int:
     from worker.config import WorkerConfig
     from worker.run import run_worker
 
+    if args.public_ip == "":  # docker-compose.yml passes --public-ip=$PUBLIC_IP: unset there, empty here
+        raise SystemExit(
+            "swarmserve worker: PUBLIC_IP is not set (--public-ip is empty). Set PUBLIC_IP to the address other "
+            "machines reach this one at (its public IP, or the router's with TCP WORKER_PORT forwarded here): "
+            "without it the worker would announce its container's private address, which nobody can dial. "
+            "See docs/joining.md."
+        )
     try:  # fail before loading anything: a wrong address would announce a server nobody reaches
         announced_maddrs(args.public_ip, args.port, args.announce_maddrs)
         adapters = parse_adapter_specs(args.adapters)
