@@ -14,6 +14,10 @@ missing=""
 command -v redis-server >/dev/null 2>&1 || [ -n "${REDIS_URL:-}" ] || missing="$missing redis-server"
 command -v chromium >/dev/null 2>&1 || missing="$missing chromium"
 command -v iptables >/dev/null 2>&1 || missing="$missing iptables"
+# Docker engine, Compose, mmdebstrap (the local base image: scripts/docker_base.sh): tests/test_docker_compose.py
+command -v dockerd >/dev/null 2>&1 || missing="$missing docker.io"
+command -v docker-compose >/dev/null 2>&1 || docker compose version >/dev/null 2>&1 || missing="$missing docker-compose"
+command -v mmdebstrap >/dev/null 2>&1 || missing="$missing mmdebstrap"
 nfq_header=/usr/include/libnetfilter_queue/libnetfilter_queue.h
 if ! python -c "import netfilterqueue" 2>/dev/null; then
   [ -e "$nfq_header" ] || missing="$missing libnetfilter-queue-dev"
@@ -28,6 +32,10 @@ fi
 if ! python -c "import netfilterqueue" 2>/dev/null && [ -e "$nfq_header" ]; then
   python -m pip install --quiet netfilterqueue==1.1.0 \
     || echo "could not build netfilterqueue: the lab's delay tests skip (or fail under SWARMSERVE_REQUIRE)"
+fi
+if [ "$(id -u)" = 0 ] && command -v dockerd >/dev/null 2>&1; then
+  scripts/docker_base.sh dockerd \
+    || echo "dockerd did not start: the compose tests skip (or fail under SWARMSERVE_REQUIRE)"
 fi
 redis_pid=""
 if [ -z "${REDIS_URL:-}" ] && command -v redis-server >/dev/null 2>&1; then

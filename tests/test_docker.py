@@ -175,11 +175,17 @@ def test_worker_announces_a_reachable_address_from_the_environment(name: str, po
 
 
 def test_worker_without_public_ip_refuses_to_start() -> None:
-    """No PUBLIC_IP: the command fails to parse rather than announce an address only this host can dial."""
+    """No PUBLIC_IP: the worker exits saying what to set, rather than announce an address only this host can dial
+    (tests/test_docker_compose.py sees the same from a real container)."""
+    from swarmserve.cli.worker import run
+
     env = {k: v for k, v in SAMPLE_ENV.items() if k != "PUBLIC_IP"}
     services = compose(env)["services"]
-    with pytest.raises(SystemExit):
-        parse(services["worker"])
+    for name in ("worker", "worker-cpu"):
+        args = parse(services[name])
+        assert args.public_ip == ""
+        with pytest.raises(SystemExit, match="PUBLIC_IP is not set"):
+            run(args, [])
     parse(services["dht"]), parse(services["gateway"])  # the rest of the stack still starts without it
 
 
@@ -212,12 +218,21 @@ def test_dockerfile(name: str) -> None:
     else:
         assert repo == "python" and "slim" in tag, base
 
+    assert steps.index(("ARG", f"BASE_IMAGE={args['BASE_IMAGE']}")) < steps.index(("FROM", "${BASE_IMAGE}"))
     runs = " ".join(rest for instruction, rest in steps if instruction == "RUN")
-    # the project itself, with only the extra its role needs: a worker image has no web stack
+    # the dependencies with only the extra its role needs (a worker image has no web stack), read from
+    # pyproject.toml before the code is copied, so a code-only change rebuilds only the last layers
     extra = "gateway" if name == "Dockerfile.gateway" else "worker"
-    assert re.search(rf'pip install[^&]* "?/app\[{extra}\]"?(\s|$)', runs), runs
+    assert f"optional-dependencies']['{extra}']" in runs or f"d['{extra}']" in runs, runs
+    copies = [rest for instruction, rest in steps if instruction == "COPY"]
+    assert copies == ["pyproject.toml /app/", ". /app"], copies
+    assert re.search(r"pip install --no-deps --no-build-isolation /app(\s|$)", runs), runs
     if name != "Dockerfile.worker":
-        assert "download.pytorch.org/whl/cpu" in runs  # CPU torch, not multi-GB CUDA wheels
+        assert args["TORCH_INDEX_URL"] == "https://download.pytorch.org/whl/cpu"  # not multi-GB CUDA wheels
+        assert '"torch==${TORCH_VERSION}"' in runs
+    assert ("USER", "swarm") in steps  # not root
+    (check,) = [rest for instruction, rest in steps if instruction == "HEALTHCHECK"]
+    assert ("/health" if name == "Dockerfile.gateway" else "/metrics") in check
     (cmd,) = [rest for instruction, rest in steps if instruction in ("CMD", "ENTRYPOINT")]
     command = json.loads(cmd)
     assert command[0] == "swarmserve"
