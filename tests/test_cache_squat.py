@@ -34,7 +34,7 @@ pytestmark = pytest.mark.slow
 CACHE_TOKENS = 4096
 #: the audit sent 300 streams; 64 fill this cache and the rest are refused alike. 80 keep both parts (a full
 #: cache of one peer's idle sessions, 16 refused) without 300 opens, which at load ~10 on 2 cores outlasted
-#: minutes and reset connections (the audit's 300 through a gateway: README, "Capacity")
+#: minutes and reset connections (the audit's 300 through a gateway: docs/failover.md)
 STREAMS, MAX_LENGTH = 80, 64
 NEW_TOKENS = 12
 
