@@ -6,7 +6,7 @@ machine's disk instead of a multi-GB CUDA download, then brings up the compose f
 at ``/models/tiny``: Redis, the DHT, the gateway and one ``worker-cpu`` as the first machine does, and a second
 ``worker-cpu`` in its own compose project that joins the way the compose file's comments tell another machine to
 (``INITIAL_PEERS=/ip4/<first machine>/tcp/31337/p2p/… PUBLIC_IP=<this machine>``). The tests then talk to it
-only from outside: HTTP, the openai SDK, ``docker compose exec|stop|run``.
+only from outside: HTTP, the openai SDK, ``docker compose exec|stop|run``, ``docker kill``.
 """
 
 from __future__ import annotations
@@ -339,6 +339,75 @@ def test_worker_without_public_ip_exits_with_the_explanation(stack: Stack) -> No
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0, out
     assert "PUBLIC_IP is not set" in out and "expected one argument" not in out, out
+
+
+def _serving_peer(stack: Stack, project: str, env: dict) -> str:
+    logs = stack.compose("logs", "--no-color", "worker-cpu", project=project, env=env, check=False)
+    return re.findall(r"swarmserve worker ready: .* as peer (\S+);", logs)[-1]
+
+
+def _greedy_without_eos(model_dir: Path, prompt_ids: list[int], max_tokens: int) -> str:
+    """The local 🤗 model's greedy text of exactly ``max_tokens`` tokens, EOS never chosen (the stream below
+    bans it with ``logit_bias``, so the reply runs long enough to outlive a kill)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    eos = [tokenizer.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|endoftext|>")]
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor([prompt_ids]), max_new_tokens=max_tokens, min_new_tokens=max_tokens, do_sample=False,
+            suppress_tokens=eos, pad_token_id=eos[0],
+        )  # fmt: skip
+    return tokenizer.decode(out[0, len(prompt_ids) :], skip_special_tokens=True)
+
+
+def test_killing_the_serving_worker_mid_stream_keeps_the_text(stack: Stack) -> None:
+    """``docker kill`` of the worker container holding a stream's session (read from ``x-swarm-route``): the
+    gateway fails over to the other machine's worker and the streamed text equals the local greedy text; tokens
+    keep coming after the kill, so the generation did outlive it. The killed worker is started again after."""
+    from transformers import AutoTokenizer
+
+    machines = {
+        _serving_peer(stack, stack.project, stack.env): (stack.project, stack.env),
+        _serving_peer(stack, stack.second, stack.second_env): (stack.second, stack.second_env),
+    }
+    messages = conversation("kill") + [{"role": "user", "content": "Tell me a long story."}]
+    tokenizer = AutoTokenizer.from_pretrained(stack.model_dir)
+    eos = [tokenizer.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|endoftext|>")]
+    long_reply = 600
+    expected = _greedy_without_eos(stack.model_dir, chat_prompt_ids(messages, stack.model_dir), long_reply)
+    raw = stack.client().chat.completions.with_raw_response.create(
+        model=stack.model_id(), messages=messages, max_tokens=long_reply, temperature=0, stream=True,
+        logit_bias={str(t): -100 for t in eos},
+    )  # fmt: skip
+    serving = raw.headers["x-swarm-route"].split("[")[0]
+    assert serving in machines, (raw.headers["x-swarm-route"], machines)
+    text, arrivals, killed_at, killed = "", [], 0.0, None
+    for chunk in raw.parse():
+        if not chunk.choices:
+            continue
+        text += chunk.choices[0].delta.content or ""
+        arrivals.append(time.monotonic())
+        if killed is None and len(text) >= 20:
+            project, env = machines[serving]
+            (container,) = stack.compose("ps", "-q", "worker-cpu", project=project, env=env).split()
+            run(["docker", "kill", container])
+            killed, killed_at = (project, env), time.monotonic()
+            mark("serving worker killed mid-stream")
+    assert killed is not None, "the stream ended before the kill"
+    later = [t for t in arrivals if t > killed_at]
+    tail_s = arrivals[-1] - killed_at
+    print(f"{len(arrivals)} chunks, {len(later)} after the kill; the stream ended {tail_s:.2f} s after it")
+    assert tail_s > 0.5, tail_s  # tokens kept being made after the kill: the reply went on elsewhere
+    assert text == expected
+    project, env = killed
+    stack.compose("up", "-d", "--no-build", "worker-cpu", project=project, env=env)
+    (container,) = stack.compose("ps", "-q", "worker-cpu", project=project, env=env).split()
+    health_of = ["docker", "inspect", "--format", "{{.State.Health.Status}}", container]
+    wait_for(lambda: run(health_of).strip() == "healthy", 180, "the killed worker ONLINE again")
+    mark("killed worker started again")
 
 
 def test_stopping_the_second_worker_drains_within_the_grace_period_and_chat_goes_on(stack: Stack) -> None:
