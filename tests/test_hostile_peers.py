@@ -177,7 +177,10 @@ def test_hostile_peer_against_a_pushing_victim(chain, parties, local_llama) -> N
         request(push, session_id=target, step_id=["x"], position=0, push_token=token),
         runtime_pb2.ExpertRequest(tensors=[push], metadata=b"\xc1\xff"),
     ]
-    got = runtime.run(answers(stub.rpc_push, garbage, 4, end=True))
+    for _ in range(3):  # no answer at all (the connection cut under load, seen once): the refusals are stateless
+        got = runtime.run(answers(stub.rpc_push, garbage, 4, end=True))
+        if got:
+            break
     assert [code(a) for a in got] == ["InvalidInputError"] * 4, got
     # wrong shape with the right token: taken into the inbox, dropped inside the step's handling
     wrong = [
