@@ -5,7 +5,9 @@ swarm a 503) before any stream starts; parameters we cannot honor are a 400 nami
 
 Session affinity: the ``X-Session-Id`` header, else the ``user`` field, names the conversation whose cached
 session the request resumes (without either, the engine matches the prompt's prefix); the prompt tokens it
-did not have to send are reported as ``usage.prompt_tokens_details.cached_tokens``.
+did not have to send are reported as ``usage.prompt_tokens_details.cached_tokens``. A chat request that
+is a one-off (a chat UI's title, tags or follow-up request: gateway/affinity/one_off.py) neither resumes nor
+keeps a session.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from gateway.admission.stream_slots import hold_choices
+from gateway.affinity.one_off import is_one_off
 from gateway.api.chat_messages import chat_messages
 from gateway.api.logprobs import LegacyLogprobs, chat_logprobs
 from gateway.api.request_parts import (
@@ -99,7 +102,9 @@ async def create_chat_completion(engine: Engine, req: ChatCompletionRequest, req
     model = served.id
     completion_id = f"chatcmpl-{uuid.uuid4().hex}"
     NEED.set(admission_need(engine, specs))  # a 400 if the swarm could never hold it; else reserved
-    generation = await engine.start(specs, session_key(request, req.user), cache_owner(request))
+    key = session_key(request, req.user)
+    # a chat UI's background request (title, tags, follow-ups) is not kept: it would evict the conversation's cache
+    generation = await engine.start(specs, key, cache_owner(request), keep=not is_one_off(req, key))
     route = RouteInfo.of(generation, engine.backend)  # x-swarm-route etc. (gateway/api/route_info.py)
 
     if req.stream:

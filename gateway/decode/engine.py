@@ -123,21 +123,26 @@ class Engine(PromptRules):
 
     # ---------------------------------------------------------------------------------------- generation
 
-    async def start(self, specs: Sequence[ChoiceSpec], session_key: str | None = None, owner: str = "") -> Generation:
+    async def start(
+        self, specs: Sequence[ChoiceSpec], session_key: str | None = None, owner: str = "", keep: bool = True
+    ) -> Generation:
         """Open one session per choice; raise (nothing left open) if any cannot be opened. Choice 0 resumes
         the cached session sharing the longest prefix with its prompt (``session_key``'s, when given) among
-        ``owner``'s (an API key's, a client's: nobody resumes, nor measures, someone else's cache)."""
-        handles = await self.capacity.admit(functools.partial(self._open_all, specs, session_key, owner))
+        ``owner``'s (an API key's, a client's: nobody resumes, nor measures, someone else's cache), and is kept
+        for a later request when it ends — unless ``keep`` is False (a one-off: gateway/affinity/one_off.py),
+        whose choices neither resume nor keep anything."""
+        opener = functools.partial(self._open_all, specs, session_key, owner, keep)
+        handles = await self.capacity.admit(opener)
         timeout = self.settings.request_timeout_s
         deadline = asyncio.get_running_loop().time() + timeout if timeout > 0 else None
         return Generation(self.run_choice, list(specs), handles, deadline)
 
     async def _open_all(
-        self, specs: Sequence[ChoiceSpec], session_key: str | None, owner: str = ""
+        self, specs: Sequence[ChoiceSpec], session_key: str | None, owner: str = "", keep: bool = True
     ) -> list[SessionHandle]:
         """One open session per choice, or an exception and nothing left open (a full swarm's
         ``SwarmBusyError`` sends the request to wait in ``capacity``)."""
-        reuse = await self._claim(specs[0], session_key, owner) if specs else None
+        reuse = await self._claim(specs[0], session_key, owner) if specs and keep else None
         handles = [SessionHandle(self.executor, reuse if i == 0 else None) for i in range(len(specs))]
         try:
             results = await asyncio.gather(
