@@ -106,3 +106,30 @@ def test_duplicate_session_id_rejected():
     m.open("a", 1, 10)
     with pytest.raises(InvalidInputError, match="already exists"):
         m.open("a", 1, 10)
+
+
+def test_kept_sessions_never_resumed_go_before_resumed_ones():
+    """A conversation's session, resumed once, outlives kept one-offs finished after it (a chat UI's title and
+    tag requests); among sessions of one kind the least recently used goes first (worker.cache_policy)."""
+    m = manager(tokens=256)
+    chat = m.open("chat", 1, 96)
+    m.ensure_capacity(chat, 96)
+    m.release("chat", keep=True)
+    m.resume("chat")  # the conversation's second turn
+    m.release("chat", keep=True)
+    for name in ("title", "tags"):
+        one_off = m.open(name, 1, 64)
+        m.ensure_capacity(one_off, 64)
+        m.release(name, keep=True)
+    assert m.used_slots == 96 + 64 + 64
+    follow_up = m.open("follow-up", 1, 96)
+    m.ensure_capacity(follow_up, 96)  # 64 more slots: the least recently used one-off goes
+    assert set(m.sessions) == {"chat", "tags", "follow-up"}
+    m.release("follow-up", keep=True)
+    big = m.open("big", 1, 160)
+    m.ensure_capacity(big, 160)  # every one-off goes before the conversation does
+    assert set(m.sessions) == {"chat", "big"}
+    assert m.sessions["chat"].resumes == 1
+    m.release("big", keep=True)
+    m.ensure_capacity(m.open("bigger", 1, 256), 256)  # and the conversation goes when nothing else is left
+    assert set(m.sessions) == {"bigger"}

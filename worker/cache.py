@@ -4,7 +4,8 @@ The budget counts *token slots*: one slot holds one token's keys and values in e
 serves, for one sequence of the batch. Caches grow on demand (doubling, capped at the session's
 ``max_length``) instead of reserving ``max_length`` up front as Petals does, so short chats leave room
 for many concurrent sessions. Sessions whose stream ended can be kept *detached* for ``session_ttl``
-seconds so a later stream resumes them; detached sessions are evicted LRU when space is needed.
+seconds so a later stream resumes them; detached sessions are evicted when space is needed, those never resumed
+first, least recently used first (``worker.cache_policy.keep_order``).
 
 Abuse limits: at most ``max_sessions_per_peer`` attached sessions per remote peer and ``max_sessions``
 sessions in all (detached ones are evicted first). Tokens count against a *holder* (the caller's address;
@@ -37,7 +38,7 @@ from swarm_client.errors import (
     SessionTooLongError,
 )
 from swarm_client.families import CacheLayout
-from worker.cache_policy import Holding, choose_victims, idle_limit
+from worker.cache_policy import Holding, choose_victims, idle_limit, keep_order
 
 MIN_CAPACITY = 64
 #: evicted session ids remembered, so a bundled step for one is told why it is gone
@@ -73,6 +74,8 @@ class SessionCache:
     #: whom its tokens count against (``worker.cache_policy.holder_of``); set when evicted to make room
     holder: str = ""
     evicted: bool = False
+    #: how many times a stream re-attached it (``resume``): kept sessions never resumed are evicted first
+    resumes: int = 0
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
     @property
@@ -185,12 +188,17 @@ class CacheManager:
             limit = self.max_sessions_per_peer
             raise self._busy("peer_sessions", f"this peer holds its maximum of {limit} sessions on this server")
 
+    def _detached(self, exclude: SessionCache | None = None) -> list[SessionCache]:
+        """Kept sessions in the order they go when room is needed (``keep_order``)."""
+        kept = (s for s in self.sessions.values() if not s.attached and s is not exclude)
+        return sorted(kept, key=lambda s: keep_order(s.resumes, s.last_used))
+
     def _make_session_room(self) -> None:
-        """Keep the session count under ``max_sessions``: expire, then evict detached sessions LRU."""
+        """Keep the session count under ``max_sessions``: expire, then evict detached sessions (``keep_order``)."""
         if len(self.sessions) < self.max_sessions:
             return
         self.expire()
-        detached = sorted((s for s in self.sessions.values() if not s.attached), key=lambda s: s.last_used)
+        detached = self._detached()
         for victim in detached[: len(self.sessions) - self.max_sessions + 1]:
             self.free(victim.session_id)
         if len(self.sessions) >= self.max_sessions:
@@ -246,6 +254,7 @@ class CacheManager:
             cache.max_length = max_length
         self._attach(cache, owner)
         cache.holder = holder or owner or cache.holder
+        cache.resumes += 1
         cache.touch()
         return cache
 
@@ -276,11 +285,7 @@ class CacheManager:
         self.expire()
         if self.tokens_left >= slots:
             return
-        detached = sorted(
-            (s for s in self.sessions.values() if not s.attached and s is not exclude),
-            key=lambda s: s.last_used,
-        )
-        for victim in detached:
+        for victim in self._detached(exclude):
             self.free(victim.session_id)
             if self.tokens_left >= slots:
                 return

@@ -12,7 +12,12 @@ timeout; the per-peer session cap (1024) never bit. The rules here:
   its share are evicted, not-stepping ones idle longest first (``choose_victims``); the evicted stream's next
   step gets ``SessionEvictedError`` and its client re-opens elsewhere. Detached sessions go before any of this;
 - under memory pressure (less than ``pressure_free`` of the cache free) an idle stream is closed after
-  ``pressure_idle_timeout`` instead of the configured idle timeout (``idle_limit``).
+  ``pressure_idle_timeout`` instead of the configured idle timeout (``idle_limit``);
+- kept (detached) sessions go when room is needed in ``keep_order``: those never resumed first (a chat UI's
+  one-off title, tags and follow-up requests, or a conversation not continued yet), least recently used first;
+  sessions resumed at least once (live conversations) only after all of them, least recently used first.
+  Plain LRU evicted a conversation's cache for the background requests a chat UI sends after each reply
+  (issue 40).
 
 Pure functions: the cache manager (worker/cache.py) feeds them its sessions.
 """
@@ -25,7 +30,7 @@ from dataclasses import dataclass
 
 from worker.dial_policy import IPAddress
 
-__all__ = ["Holding", "choose_victims", "holder_of", "idle_limit"]
+__all__ = ["Holding", "choose_victims", "holder_of", "idle_limit", "keep_order"]
 
 
 @dataclass(frozen=True)
@@ -84,3 +89,10 @@ def idle_limit(idle_timeout: float, pressure_idle_timeout: float, free: int, tot
     if total > 0 and free < pressure_free * total:
         return min(idle_timeout, pressure_idle_timeout)
     return idle_timeout
+
+
+def keep_order(resumes: int, last_used: float) -> tuple[bool, float]:
+    """Sort key of kept (detached) sessions, first evicted first: never-resumed before resumed, then least
+    recently used (``last_used``: monotonic seconds). A session resumed once has proved it is a conversation;
+    one never resumed may be a one-off that nobody will continue."""
+    return resumes > 0, last_used
