@@ -11,6 +11,7 @@ line they print, stopped in order.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -37,6 +38,8 @@ __all__ = [
 ]
 
 WORKER_READY = "swarmserve worker ready:"
+#: a file to append one JSON line to per child started and per child ready (``ChildProcess._log_spawn``)
+SPAWN_LOG_ENV = "SWARMSERVE_SPAWN_LOG"
 DHT_READY = "initial_peers:"
 #: the last line Python prints for an uncaught exception: ``FileNotFoundError: no model.safetensors…``
 _EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Exit|Interrupt)\b(:|$)")
@@ -145,8 +148,30 @@ class ChildProcess:
             preexec_fn=_parent_death_signal(),
         )
         proc = cls(name, popen, echo=echo, **kw)
+        proc._log_spawn(args)
         threading.Thread(target=proc._read, name=f"{name}-log", daemon=True).start()
         return proc
+
+    # ------------------------------------------------------------------------------------------ spawn log
+    def _log_spawn(self, args: Sequence[str], **extra: Any) -> None:
+        """With ``SWARMSERVE_SPAWN_LOG`` set (a file), one JSON line per child started and one when it is
+        ready (seconds since the start, CPU seconds it used so far): what a test run's start-ups cost."""
+        self._spawn_log = os.environ.get(SPAWN_LOG_ENV)
+        if self._spawn_log:
+            self._append_spawn_log({"event": "spawn", "command": args[0] if args else "", **extra})
+
+    def _append_spawn_log(self, record: dict[str, Any]) -> None:
+        record = {"t": round(time.time(), 3), "pid": self.pid, "name": self.name, **record}
+        try:
+            with open(self._spawn_log, "a") as f:  # type: ignore[arg-type]
+                f.write(json.dumps(record) + "\n")
+        except OSError:
+            pass
+
+    def _log_ready(self) -> None:
+        if getattr(self, "_spawn_log", None):
+            took = round(time.monotonic() - self.started_at, 3)
+            self._append_spawn_log({"event": "ready", "ready_s": took, "cpu_s": _cpu_seconds(self.pid)})
 
     def _read(self) -> None:
         assert self.popen.stdout is not None
@@ -164,6 +189,7 @@ class ChildProcess:
                 self.ready_line = line
                 self._on_ready(line)
                 self.ready.set()
+                self._log_ready()
         with self._changed:
             self._eof = True
             self._changed.notify_all()
@@ -268,6 +294,16 @@ class ChildProcess:
             pass
 
     kill_group = kill
+
+
+def _cpu_seconds(pid: int) -> float | None:
+    """User + system CPU seconds of ``pid`` itself (Linux ``/proc``), None elsewhere."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return round((int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK"), 2)
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def _show(pattern: str | re.Pattern[str]) -> str:
