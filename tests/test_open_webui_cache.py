@@ -25,11 +25,12 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+import httpx
 import pytest
 
 from gateway.affinity.one_off import is_one_off
 from gateway.schema.requests import ChatCompletionRequest
-from tests.gateway_fixtures import Gateway, swarm_gateway
+from tests.gateway_fixtures import REQUEST_TIMEOUT_S, Gateway, swarm_gateway
 from tests.test_tool_calling import open_webui_request
 
 SPANS = ["0:2", "2:4"]
@@ -97,12 +98,15 @@ def chat_body(gw: Gateway, messages: list[dict], tools: slice = slice(TOOLS)) ->
     return {**body, "stream_options": {"include_usage": True}}
 
 
-def stream_chat(gw: Gateway, body: dict) -> dict[str, Any]:
+def stream_chat(gw: Gateway, body: dict, timeout: float = REQUEST_TIMEOUT_S) -> dict[str, Any]:
     """POST a streamed chat as Open WebUI does; the reply's text, usage, and seconds to its first token."""
     started = time.perf_counter()
     first: float | None = None
     text, usage = "", None
-    with gw.http() as http, http.stream("POST", "/v1/chat/completions", json=body) as r:
+    with (
+        httpx.Client(base_url=gw.url, timeout=timeout) as http,
+        http.stream("POST", "/v1/chat/completions", json=body) as r,
+    ):
         status = r.status_code
         assert status == 200, r.read()
         for line in r.iter_lines():
@@ -123,18 +127,27 @@ class OpenWebUIChat:
     """One Open WebUI conversation replayed turn by turn (``turn``): per request, its kind, status, usage and
     timings."""
 
-    def __init__(self, gw: Gateway):
+    def __init__(
+        self, gw: Gateway, tools: slice = slice(TOOLS), questions: list[str] = QUESTIONS, timeout: float = 0.0
+    ):
         self.gw = gw
+        self.tools = tools
+        self.questions = questions
+        #: seconds an HTTP call may take (0: the tests' ``REQUEST_TIMEOUT_S``)
+        self.timeout = timeout or REQUEST_TIMEOUT_S
         self.messages: list[dict] = []
+
+    def replay(self, turns: int) -> list[dict[str, Any]]:
+        return [row for question in self.questions[:turns] for row in self.turn(question)]
 
     def turn(self, question: str) -> list[dict[str, Any]]:
         """The chat request with ``question``, then the follow-up, title and tags requests."""
         turn = len(self.messages) // 2 + 1
         self.messages.append({"role": "user", "content": question})
-        reply = stream_chat(self.gw, chat_body(self.gw, self.messages))
+        reply = stream_chat(self.gw, chat_body(self.gw, self.messages, self.tools), self.timeout)
         rows = [{"turn": turn, "kind": "chat", **reply}]
         self.messages.append({"role": "assistant", "content": reply["text"]})
-        with self.gw.http() as http:
+        with httpx.Client(base_url=self.gw.url, timeout=self.timeout) as http:
             for task in TASKS:
                 started = time.perf_counter()
                 r = http.post("/v1/chat/completions", json=task_request(self.gw.model, task, self.messages))
@@ -145,9 +158,9 @@ class OpenWebUIChat:
         return rows
 
 
-def preamble_tokens(gw: Gateway) -> int:
+def preamble_tokens(gw: Gateway, which: slice = slice(TOOLS)) -> int:
     """The tokens every turn's prompt starts with: the tool preamble, up to the conversation's first message."""
-    tools = open_webui_request()["tools"][:TOOLS]
+    tools = open_webui_request()["tools"][which]
     tokenizer = gw.server.app.state.engine.tokenizer
     a, b = (
         tokenizer.apply_chat_template([{"role": "user", "content": q}], tools=tools, add_generation_prompt=True)
@@ -157,8 +170,8 @@ def preamble_tokens(gw: Gateway) -> int:
     return next(i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y)
 
 
-def print_rows(rows: list[dict[str, Any]], preamble: int) -> None:
-    print(f"\ntool preamble: {preamble} tokens; worker cache: {CACHE_TOKENS} slots each")
+def print_rows(rows: list[dict[str, Any]], preamble: int, cache_tokens: int = CACHE_TOKENS) -> None:
+    print(f"\ntool preamble: {preamble} tokens; worker cache: {cache_tokens} slots each")
     print("turn | request   | status | prompt | cached | completion | first token s | total s")
     for r in rows:
         u = r["usage"]
