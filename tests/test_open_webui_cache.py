@@ -29,7 +29,9 @@ import httpx
 import pytest
 
 from gateway.affinity.one_off import is_one_off
+from gateway.api.chat_messages import chat_messages
 from gateway.schema.requests import ChatCompletionRequest
+from gateway.tools.plan import plan_tools
 from tests.gateway_fixtures import REQUEST_TIMEOUT_S, Gateway, swarm_gateway
 from tests.test_tool_calling import open_webui_request
 
@@ -159,15 +161,23 @@ class OpenWebUIChat:
 
 
 def preamble_tokens(gw: Gateway, which: slice = slice(TOOLS)) -> int:
-    """The tokens every turn's prompt starts with: the tool preamble, up to the conversation's first message."""
+    """The tokens every turn's prompt starts with, up to the conversation's first message: the tool preamble,
+    rendered as the gateway renders it (in the template's own tool format, or taught in the system message)."""
+    engine = gw.server.app.state.engine
     tools = open_webui_request()["tools"][which]
-    tokenizer = gw.server.app.state.engine.tokenizer
-    a, b = (
-        tokenizer.apply_chat_template([{"role": "user", "content": q}], tools=tools, add_generation_prompt=True)
-        for q in ("a", "b")
-    )
-    a, b = (list(x["input_ids"] if hasattr(x, "keys") else x) for x in (a, b))
-    return next(i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y)
+    prompts = []
+    for question in ("a", "b"):
+        req = ChatCompletionRequest(messages=[{"role": "user", "content": question}], tools=tools)
+        plan = plan_tools(req, engine.tool_format)
+        native = plan.tools if plan is not None and engine.tool_format.native else None
+        text = engine.tokenizer.apply_chat_template(
+            chat_messages(req.messages, engine.tool_format, plan),
+            add_generation_prompt=True,
+            tokenize=False,
+            **({"tools": native} if native else {}),
+        )
+        prompts.append(engine.tokenizer(text, add_special_tokens=False)["input_ids"])
+    return next(i for i, (x, y) in enumerate(zip(*prompts, strict=False)) if x != y)
 
 
 def print_rows(rows: list[dict[str, Any]], preamble: int, cache_tokens: int = CACHE_TOKENS) -> None:
