@@ -5,8 +5,11 @@ When it opens a session, the client hands each server two tokens derived from a 
 
 - ``resume_token(session_id)``: re-attaching the detached session later (a conversation's next turn)
   needs it; servers keep only its digest.
-- ``push_token(session_id)``: the previous server of the client's chain needs it to push steps into the
-  session (``rpc_push``); the client gives it to that server inside the step's ``push_chain``.
+- ``push_token(session_id)``: the key that authorizes pushes into the session (``rpc_push``). The server
+  keeps it; the client never gives it to another server. For each step it wants pushed, the client puts in
+  the step's ``push_chain`` a ``push_auth(session_id, step_id, position, seq)``: an HMAC under that key of
+  exactly that step, so the previous server of the chain can push that step and nothing else — not another
+  position, not a replay of an old step (``seq`` must exceed every step the session has run).
 
 The tokens are HMACs of the session id, so nothing needs storing: any process holding the same secret
 (``SWARMSERVE_SESSION_SECRET``, e.g. every replica of one gateway) derives the same tokens and can resume
@@ -48,6 +51,38 @@ def resume_token(session_id: str) -> str:
 
 def push_token(session_id: str) -> str:
     return _token(b"push", session_id)
+
+
+def step_mac(key: str, step_id: str, position: int, seq: int) -> str:
+    """The authorization of one pushed step under a session's push ``key``."""
+    message = f"{step_id}\0{position}\0{seq}".encode()
+    return hmac.new(key.encode(), message, hashlib.sha256).hexdigest()
+
+
+def push_auth(session_id: str, step_id: str, position: int, seq: int) -> str:
+    """What the client gives the previous server of its chain to push this one step into ``session_id``."""
+    return step_mac(push_token(session_id), step_id, position, seq)
+
+
+def push_key(token: object) -> str | None:
+    """The push key a server keeps from a session's open (None: no usable token was given)."""
+    return token if isinstance(token, str) and 1 <= len(token) <= MAX_TOKEN_CHARS else None
+
+
+def push_auth_matches(key: str | None, metadata: dict) -> bool:
+    """Whether a pushed step's ``push_auth`` authorizes its own ``step_id``, ``position`` and ``seq`` under the
+    session's push ``key`` (constant time); malformed fields never match."""
+    auth, step_id, position, seq = (metadata.get(k) for k in ("push_auth", "step_id", "position", "seq"))
+    if key is None or not isinstance(auth, str) or len(auth) > MAX_TOKEN_CHARS or not isinstance(step_id, str):
+        return False
+    if not is_count(position) or not is_count(seq):
+        return False
+    return hmac.compare_digest(auth.encode(), step_mac(key, step_id, position, seq).encode())
+
+
+def is_count(value: object) -> bool:
+    """A non-negative int that fits the wire (msgpack's int64), not a bool."""
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2**62
 
 
 def token_digest(token: object) -> bytes | None:

@@ -294,7 +294,6 @@ class LocalSession:
 
     #: never pushed to (servers push only to servers), never spot-checked
     local = True
-    push_target = None
 
     def __init__(self, span: LocalSpan, hop: RouteHop, session_id: str):
         self.span, self.hop, self.session_id = span, hop, session_id
@@ -317,6 +316,7 @@ class LocalSession:
         step_id: str | None = None,
         push_chain: list[dict] | None = None,
         expect_push: bool = False,
+        seq: int | None = None,
     ) -> torch.Tensor:
         if self._cache is None or self.closed:
             raise SessionNotFoundError(f"local session {self.session_id} is not open", LOCAL_PEER)

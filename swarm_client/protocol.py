@@ -10,17 +10,21 @@ Inference stream (``rpc_inference``), one bidirectional stream per server span:
                                                                 resuming needs the resume token given at open;
                                                                 adapter: a LoRA the server announces, else
                                                                 ``adapter_not_found``; a resume names the same)
-    server → {"position": p}                                  (p: tokens already cached, 0 for a new one)
-    client → tensors [hidden [B, T, H]], {"position": p}        (p: where these tokens start; p < current
-                                                                position rolls the cache back first)
+    server → {"position": p, "seq": q}                        (p: tokens already cached, 0 for a new one;
+                                                                q: the newest step counter it ran, below)
+    client → tensors [hidden [B, T, H]], {"position": p, "seq": n}  (p: where these tokens start; p < current
+                                                                position rolls the cache back first; n: the
+                                                                session's step counter, one more per step sent)
     server → tensors [hidden [B, T, H]], {"position": p + T}
     any server message may instead be {"error": {"code", "message"}} — see ``swarm_client.errors``.
     A step carries at most ``MAX_STEP_TOKENS`` tokens (batch × length); longer prefills are split.
     Optional server-to-server push: a step may carry {"step_id": s, "push_chain": [{"peer_id",
-    "session_id", "push_token"}, ...]} (the next hops); the server then also sends its output to the first
+    "session_id", "push_auth"}, ...]} (the next hops); the server then also sends its output to the first
     of them (``rpc_push``: one long-lived stream per target session, a message per step: tensors [out],
-    {"session_id", "push_token", "step_id", "position", "push_chain": rest}), which runs it at once if the
-    token is the one the session was opened with (else a ``session_access_denied`` error). The client sends
+    {"session_id", "push_auth", "step_id", "position", "seq", "push_chain": rest}). The target checks
+    ``push_auth`` — the client's HMAC of (step_id, position, seq) under the push token the session was opened
+    with, ``capabilities.push_auth`` — (else a ``session_access_denied`` error) and runs the step at once
+    unless its seq is not newer than every step it ran for the session (a late push: dropped). The client sends
     a hop its own copy only when the pushed step's answer is late; a server answers each step_id once,
     echoing it in the response, so a client skips answers whose step_id is not the one it waits for.
 Bundled steps (``rpc_steps``, servers announcing the ``step_bundles`` feature): one long-lived stream per

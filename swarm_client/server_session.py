@@ -71,14 +71,16 @@ class _ServerSession:
         self._counted = False  # in ``manager.sessions_on`` while open
         #: the open's answer is still to be read (``open(wait=False)``): the next step reads it first
         self._open_pending = False
+        #: the newest step counter the server ran for this session (a resumed one continues above it)
+        self.server_seq = 0
         #: bytes of the step in flight: a liveness ping shares its connection and may queue behind them
         self._step_bytes = 0
-        #: how the previous server of a chain pushes steps into this session (``protocol``, rpc_push)
-        self.push_target = {
-            "peer_id": hop.peer_id,
-            "session_id": session_id,
-            "push_token": capabilities.push_token(session_id),
-        }
+
+    def push_target(self, step_id: str, position: int, seq: int) -> dict:
+        """How the previous server of a chain pushes this one step into this session (``protocol``,
+        ``rpc_push``): an authorization of exactly this step, never the session's push key itself."""
+        auth = capabilities.push_auth(self.session_id, step_id, position, seq)
+        return {"peer_id": self.hop.peer_id, "session_id": self.session_id, "push_auth": auth}
 
     async def _requests(self):
         while True:
@@ -200,6 +202,8 @@ class _ServerSession:
         self._open_pending = False
         _, metadata = await self._answer(timeout)
         self.position = int(metadata.get("position", 0))
+        seq = metadata.get("seq", 0)
+        self.server_seq = seq if capabilities.is_count(seq) else 0
 
     async def _answer(self, timeout: float, step_id: str | None = None) -> tuple[list[torch.Tensor], dict]:
         """The answer to the step in flight, from this stream or from a step bundle (``step_bundles``)."""
@@ -269,13 +273,18 @@ class _ServerSession:
         step_id: str | None = None,
         push_chain: list[dict] | None = None,
         expect_push: bool = False,
+        seq: int | None = None,
     ) -> torch.Tensor:
         """One step; ``push_chain`` (the next hops' ``push_target``s) asks the server to push its output on to
         the first of them (see ``protocol``). ``expect_push``: the previous server pushed this step here, so
-        its answer is awaited first (``push_grace``) and the client's own copy is sent only if it is late."""
+        its answer is awaited first (``push_grace``) and the client's own copy is sent only if it is late.
+        ``seq``: the session's step counter, which orders steps on the server (a push older than the last
+        step run there is stale and dropped)."""
         digest = protocol.input_digest(hidden) if expect_push else None  # what the previous server answered us
         hidden = self._to_wire(hidden)
-        extra = {} if step_id is None else {"step_id": step_id, "push_chain": push_chain or []}
+        extra: dict = {} if step_id is None else {"step_id": step_id, "push_chain": push_chain or []}
+        if seq is not None:
+            extra["seq"] = seq
         if self.batch_group is not None:
             extra["batch_group"] = self.batch_group
         compression = self.manager.config.compression
@@ -352,12 +361,15 @@ def hop_session(
     return LocalSession(manager.local, hop, session_id)
 
 
-def push_chain(hops: list[_ServerSession | LocalSession], index: int) -> list[dict]:
-    """Where hop ``index``'s server pushes its output: the next hops up to the first local one (servers push
-    only to servers; the client feeds the local blocks and sends their output on)."""
-    chain = []
-    for hop in hops[index + 1 :]:
+def push_chain(
+    hops: list[_ServerSession | LocalSession], index: int, step_id: str | None, position: int, seq: int
+) -> list[dict]:
+    """Where hop ``index``'s server pushes its output of step ``step_id``: the next hops up to the first local
+    one (servers push only to servers; the client feeds the local blocks and sends their output on), each
+    with the authorization of this step alone. No step id: no push, an empty chain."""
+    chain: list[dict] = []
+    for hop in hops[index + 1 :] if step_id is not None else ():
         if hop.local:
             break
-        chain.append(hop.push_target)
+        chain.append(hop.push_target(step_id, position, seq))
     return chain

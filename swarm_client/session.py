@@ -88,6 +88,8 @@ class InferenceSession:
         self.pushing = False
         self.spot_checks = 0
         self.spot_check_failures = 0
+        #: steps sent, retries too: a server runs a pushed step only if newer than all it ran (a late push is dropped)
+        self.step_seq = 0
         #: optional token ids fed so far, maintained by the model (not by the session)
         self.token_ids: list[int] = []
 
@@ -210,13 +212,14 @@ class InferenceSession:
         )
         self.pushing = push
         step_id = uuid.uuid4().hex if push else None
-        pushed_to: dict | None = None  # the push target the previous hop sent this step's output to
+        self.step_seq += 1
+        pushed_to: str | None = None  # the session the previous hop pushed this step's output to
         inputs: list[torch.Tensor] = []  # each hop's input this step
         index = 0
         while index < len(self._hops):
             hop = self._hops[index]
             inputs[index:] = [x]
-            chain = push_chain(self._hops, index)
+            chain = push_chain(self._hops, index, step_id, position, self.step_seq)
             # a spot check starts with the step: its checkers compute while the hop does (local blocks: none)
             check = (
                 None
@@ -226,9 +229,10 @@ class InferenceSession:
             try:
                 try:
                     t0 = time.perf_counter()
-                    pushed = pushed_to is not None and pushed_to is getattr(hop, "push_target", None)
+                    pushed = pushed_to is not None and pushed_to == hop.session_id
+                    timeout = self.manager.config.step_timeout
                     out = await hop.step(
-                        x, position, self.manager.config.step_timeout, output_hidden_states, step_id, chain, pushed
+                        x, position, timeout, output_hidden_states, step_id, chain, pushed, self.step_seq
                     )
                     self.manager.record_step(hop.hop.peer_id, hop.hop.length, x.shape[1], time.perf_counter() - t0)
                     if check is not None:
@@ -243,6 +247,7 @@ class InferenceSession:
                 await self._replace_hop(index - 1, position, PeerError(f"{e} (pushed by {liar})", liar), deadline)
                 index, x = index - 1, inputs[index - 1]
                 step_id, pushed_to = uuid.uuid4().hex, None
+                self.step_seq += 1
                 continue
             except (PeerError, RemoteError) as e:
                 if (
@@ -257,10 +262,11 @@ class InferenceSession:
                     await self._replace_hop(index, position, e, deadline)
                     # a fresh step id: later hops may have run a push from the failed hop's output
                     step_id, pushed_to = (uuid.uuid4().hex if push else None), None
+                    self.step_seq += 1
                     continue  # retry this index with the replacement hop(s)
                 raise
             self.manager.answered(hop.hop.peer_id)
-            pushed_to = chain[0] if step_id is not None and chain else None
+            pushed_to = chain[0]["session_id"] if chain else None
             self._history[index].write(position, x)
             if output_hidden_states:
                 states.append(out)
@@ -369,6 +375,7 @@ class InferenceSession:
         session._hops = hops
         session._history = [HistoryBuffer(unknown_prefix=position) for _ in hops]
         session.position = position
+        session.step_seq = max((getattr(hop, "server_seq", 0) for hop in hops), default=0)  # its pushes stay newer
         session.token_ids = [tuple(c) for c in state.get("token_ids", [])][:position]
         return session
 

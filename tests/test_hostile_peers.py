@@ -95,8 +95,10 @@ async def answers(
     return got
 
 
-def misshapen_push(session_id: str, step_id: str, token: str) -> runtime_pb2.ExpertRequest:
-    return request(hidden_tensor(1, HIDDEN - 1), session_id=session_id, step_id=step_id, push_token=token)
+def authorized(tensor: runtime_pb2.Tensor, session_id: str, step_id, position: int = 0, seq: int = 10**6, **extra):
+    """A push carrying the client's authorization of exactly this step, as a chain member is given it."""
+    auth = capabilities.push_auth(session_id, step_id, position, seq) if isinstance(step_id, str) else "0" * 64
+    return request(tensor, session_id=session_id, step_id=step_id, position=position, seq=seq, push_auth=auth, **extra)
 
 
 def code(answer: dict) -> str:
@@ -160,21 +162,25 @@ def test_hostile_peer_against_a_pushing_victim(chain, parties, local_llama) -> N
     stub = runtime.run(attacker.stub(last))
     push = hidden_tensor(1)
 
-    # 1. forged pushes: the victim's session id alone (no token, a made-up one) steers nothing
+    # 1. forged pushes: the victim's session id alone (no authorization, a made-up one, the authorization of
+    # another position, the session's push key itself, which no server is ever given) steers nothing
+    key = capabilities.push_token(target)
     forged = [
-        request(push, session_id=target, step_id="f1", position=0),
-        request(push, session_id=target, step_id="f2", position=0, push_token="0" * 64),
-    ]
-    got = runtime.run(answers(stub.rpc_push, forged, 2, end=True))
-    assert [code(a) for a in got] == ["SessionAccessError"] * 2, got
+        request(push, session_id=target, step_id="f1", position=0, seq=10**6),
+        request(push, session_id=target, step_id="f2", position=0, seq=10**6, push_auth="0" * 64),
+        request(push, session_id=target, step_id="f3", position=0, seq=10**6,
+                push_auth=capabilities.push_auth(target, "f3", 5, 10**6)),
+        request(push, session_id=target, step_id="f4", position=0, seq=10**6, push_auth=key),
+    ]  # fmt: skip
+    got = runtime.run(answers(stub.rpc_push, forged, 4, end=True))
+    assert [code(a) for a in got] == ["SessionAccessError"] * 4, got
     victim.advance(2)
 
-    # 2. garbage from a server that does hold the token (a chain member gone bad): refused or dropped
-    token = capabilities.push_token(target)
+    # 2. garbage from a server the victim asked to push (a chain member gone bad): refused or dropped
     garbage = [
-        request(push, session_id=target, step_id="g1", position=0, push_token=token, compression_out="bogus"),
-        request(push, session_id=target, step_id="g2" * 40, position=0, push_token=token),
-        request(push, session_id=target, step_id=["x"], position=0, push_token=token),
+        authorized(push, target, "g1", compression_out="bogus"),
+        authorized(push, target, "g2" * 40),
+        authorized(push, target, ["x"]),
         runtime_pb2.ExpertRequest(tensors=[push], metadata=b"\xc1\xff"),
     ]
     for _ in range(3):  # no answer at all (the connection cut under load, seen once): the refusals are stateless
@@ -182,19 +188,23 @@ def test_hostile_peer_against_a_pushing_victim(chain, parties, local_llama) -> N
         if got:
             break
     assert [code(a) for a in got] == ["InvalidInputError"] * 4, got
-    # wrong shape with the right token: taken into the inbox, dropped inside the step's handling
-    wrong = [
-        request(hidden_tensor(1, HIDDEN - 1), session_id=target, step_id=f"w{i}", push_token=token) for i in range(3)
-    ]
+    # wrong shape, authorized: taken into the inbox, dropped inside the step's handling
+    wrong = [authorized(hidden_tensor(1, HIDDEN - 1), target, f"w{i}") for i in range(3)]
     got = runtime.run(answers(stub.rpc_push, wrong, 1, end=True))
     assert got == [{"accepted": 3}], got
+    victim.advance(2)
+    # an old authorized step pushed again (or a push that arrives after the step was redone elsewhere): its
+    # seq is not newer than what the session ran, so it is dropped — run, it would roll the victim's cache
+    # back to position 1 and its next step would be refused ("position … must be an int in [0, 1]")
+    stale = [authorized(hidden_tensor(1), target, "old", position=0, seq=2)]
+    got = runtime.run(answers(stub.rpc_push, stale, 1, end=True))
+    assert got == [{"accepted": 1}], got
+    assert victim.session.step_seq > 2
     victim.advance(2)
 
     # 3. a push flood into the victim's inbox: bounded, the excess dropped (the client's own copy follows)
     before = runtime.run(model.manager.info(last))
-    flood = [
-        request(hidden_tensor(1, HIDDEN - 1), session_id=target, step_id=f"p{i}", push_token=token) for i in range(600)
-    ]
+    flood = [authorized(hidden_tensor(1, HIDDEN - 1), target, f"p{i}") for i in range(600)]
     (summary,) = runtime.run(answers(stub.rpc_push, flood, 1, end=True))
     dropped = runtime.run(model.manager.info(last))["pushes_dropped"] - before["pushes_dropped"]
     print(f"push flood: {summary['accepted']} of 600 taken into the victim's inbox, {dropped} dropped when it was full")

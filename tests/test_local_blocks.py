@@ -9,6 +9,7 @@ all-remote gateway, a second 3:4 server to fail over to), so the module's tests 
 from __future__ import annotations
 
 import argparse
+import functools
 import time
 from collections.abc import Iterator
 
@@ -17,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from gateway.backends.swarm import SwarmBackend
-from swarm_client import AutoDistributedModelForCausalLM, runtime
+from swarm_client import AutoDistributedModelForCausalLM, capabilities, runtime
 from swarm_client.local_span import LocalSession
 from swarm_client.routing import LOCAL_PEER, RouteHop
 from swarm_client.server_session import _ServerSession, push_chain
@@ -97,7 +98,11 @@ def test_push_between_remote_hops_only(the_swarm, tiny_llama, model, reference) 
         manager.config.push = "auto"
     hops = [_ServerSession(manager, RouteHop("A", 0, 1), "s0"), LocalSession(manager.local, LOCAL, "s1")]
     hops += [_ServerSession(manager, a, "s2"), _ServerSession(manager, b, "s3")]
-    assert push_chain(hops, 0) == [] and push_chain(hops, 2) == [hops[3].push_target] and push_chain(hops, 3) == []
+    chain = functools.partial(push_chain, hops, step_id="step", position=7, seq=3)
+    assert chain(0) == [] and chain(3) == [] and push_chain(hops, 2, None, 7, 3) == []
+    (target,) = chain(2)  # only this step's authorization travels, never the session's push key
+    assert target == {"peer_id": "B", "session_id": "s3", "push_auth": capabilities.push_auth("s3", "step", 7, 3)}
+    assert capabilities.push_token("s3") not in target.values()
 
     pushing = AutoDistributedModelForCausalLM.from_pretrained(
         tiny_llama, initial_peers=[the_swarm.initial_peers], local_blocks=(0, 2), push=True

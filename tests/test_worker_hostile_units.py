@@ -177,10 +177,10 @@ def test_cli_defaults_match_the_modules() -> None:
     assert protocol.MAX_STEP_BYTES * 4 <= message_cap.DEFAULT_MAX_MESSAGE_BYTES
 
 
-def test_early_pushes_are_bounded_and_delivered_only_with_the_session_token(monkeypatch) -> None:
+def test_early_pushes_are_bounded_and_delivered_only_with_the_clients_authorization(monkeypatch) -> None:
     """A push that comes before its session opened here is held (worker/early_pushes.py): at most MAX_HELD
-    steps of at most MAX_HELD_BYTES each, for HOLD_SECONDS; delivered when the session opens only if its push
-    token is the one the session was opened with."""
+    steps of at most MAX_HELD_BYTES each, for HOLD_SECONDS; delivered when the session opens only if the
+    client authorized that very step under the push key the session was opened with."""
     from worker import early_pushes
     from worker.push import ServerPush
 
@@ -193,22 +193,26 @@ def test_early_pushes_are_bounded_and_delivered_only_with_the_session_token(monk
     handler.limits = HandlerLimits()
     step = torch.zeros(1, 1, 8)
 
-    def push(session_id: str, step_id: str, token: str | None, tensor: torch.Tensor = step) -> bool:
-        meta = {"session_id": session_id, "step_id": step_id, "position": 0}
-        if token is not None:
-            meta["push_token"] = token
+    def push(session_id: str, step_id: str, auth: str | None, tensor: torch.Tensor = step, position: int = 0) -> bool:
+        meta = {"session_id": session_id, "step_id": step_id, "position": position, "seq": 1}
+        if auth is not None:
+            meta["push_auth"] = auth
         return handler.accept_push(protocol.make_request([tensor], **meta), meta)
 
-    good = capabilities.push_token("later")
-    assert push("later", "s1", good) and push("later", "s2", "0" * 64)  # held: nothing to check them against yet
-    assert handler.pushes_held == 2
+    def auth(step_id: str, position: int = 0) -> str:
+        return capabilities.push_auth("later", step_id, position, 1)
+
+    assert push("later", "s1", auth("s1")) and push("later", "s2", "0" * 64)  # held: nothing to check them against
+    assert push("later", "s6", auth("s6"), position=3)  # authorized for position 0, pushed at 3
+    assert push("later", "s7", capabilities.push_token("later"))  # the raw key is not an authorization
+    assert handler.pushes_held == 4
     with pytest.raises(SessionAccessError):
-        push("later", "s3", None)  # no token: never held
+        push("later", "s3", None)  # no authorization: never held
     with pytest.raises(SessionAccessError):
-        push("x" * 300, "s4", good)  # an absurd session id: not held
+        push("x" * 300, "s4", auth("s4"))  # an absurd session id: not held
     big = torch.zeros(1, 1, early_pushes.MAX_HELD_BYTES // 4 + 1)
     with pytest.raises(SessionAccessError):
-        push("later", "s5", good, big)  # larger than any push a client sends
+        push("later", "s5", auth("s5"), big)  # larger than any push a client sends
     for i in range(early_pushes.MAX_HELD):  # a flood of pushes for sessions that never open: bounded
         try:
             push(f"never-{i}", "f", "0" * 64)
@@ -219,8 +223,8 @@ def test_early_pushes_are_bounded_and_delivered_only_with_the_session_token(monk
         push("another", "f", "0" * 64)
 
     inbox: asyncio.Queue = asyncio.Queue(8)
-    handler.deliver_early("later", inbox, capabilities.token_digest(good))
-    assert inbox.qsize() == 1 and inbox.get_nowait()[1][1]["step_id"] == "s1"  # the forged one is refused
-    assert handler.pushes_refused == 1
+    handler.deliver_early("later", inbox, capabilities.push_key(capabilities.push_token("later")))
+    assert inbox.qsize() == 1 and inbox.get_nowait()[1][1]["step_id"] == "s1"  # the forged ones are refused
+    assert handler.pushes_refused == 3
     now[0] += early_pushes.HOLD_SECONDS + 0.1  # the flood expires
     assert handler.early_pushes.take("never-0") == [] and len(handler.early_pushes) == 0

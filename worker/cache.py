@@ -61,10 +61,13 @@ class SessionCache:
     attached: bool = True
     last_used: float = field(default_factory=time.monotonic)
     owner: str | None = None
-    #: the peer that opened the session, and digests of the capabilities it gave (``swarm_client.capabilities``)
+    #: the peer that opened the session, the digest of its resume token and its push key
+    #: (``swarm_client.capabilities``: a pushed step needs the client's authorization under that key)
     creator: str | None = None
     resume_digest: bytes | None = None
-    push_digest: bytes | None = None
+    push_key: str | None = None
+    #: the newest step counter (``seq``) run for this session: a pushed step must be newer to run
+    last_seq: int = 0
     #: which of the server's blocks (relative slice) this session runs through
     blocks: slice = field(default_factory=lambda: slice(None))
     #: the LoRA adapter the session runs with (``swarm_client.lora``); None: the base model

@@ -23,7 +23,7 @@ from hivemind.p2p import P2P, P2PContext, PeerID
 from hivemind.proto import runtime_pb2
 
 from swarm_client import protocol
-from swarm_client.capabilities import token_digest
+from swarm_client.capabilities import is_count, push_key, token_digest
 from swarm_client.errors import InvalidInputError, LengthExceededError, RemoteError, SessionEvictedError
 from swarm_client.protocol import MAX_PIPELINE_GROUPS
 from worker.batcher import StepBatcher
@@ -92,8 +92,8 @@ class InferenceStreams(ServerPush):
             # held before the answer goes out: the client may bundle the session's next step (``rpc_steps``)
             # the moment it reads the answer, and a bundle needs the stream to hold the session
             self._inboxes[cache.session_id] = inbox
-            self.deliver_early(cache.session_id, inbox, cache.push_digest)
-            yield protocol.make_response(position=cache.position, session_id=cache.session_id)
+            self.deliver_early(cache.session_id, inbox, cache.push_key)
+            yield protocol.make_response(position=cache.position, session_id=cache.session_id, seq=cache.last_seq)
             pump = asyncio.create_task(self._pump(requests, inbox))
             recent: deque[str] = deque(maxlen=_REMEMBERED_STEPS)
 
@@ -192,10 +192,15 @@ class InferenceStreams(ServerPush):
         cache.blocks = self._relative(start, end)
         cache.adapter = adapter
         cache.resume_digest = token_digest(spec.get("resume_token"))
-        cache.push_digest = token_digest(spec.get("push_token"))
+        cache.push_key = push_key(spec.get("push_token"))
         return cache
 
-    async def _step(self, cache: SessionCache, tensors: list[torch.Tensor], metadata: dict) -> tuple[torch.Tensor, int]:
+    async def _step(
+        self, cache: SessionCache, tensors: list[torch.Tensor], metadata: dict, pushed: bool = False
+    ) -> tuple[torch.Tensor, int]:
+        """Run one step; ``pushed``: it came from the previous server of the chain, and runs only if its
+        ``seq`` is newer than every step run here (a late push of a step since redone must not roll back
+        the cache under the client's feet)."""
         (hidden,) = self._check_hidden(tensors)
         self._check_step_size(hidden)
         self._check_compression_out(metadata)
@@ -209,6 +214,9 @@ class InferenceStreams(ServerPush):
             if not isinstance(group, int) or isinstance(group, bool) or not 0 <= group < MAX_PIPELINE_GROUPS:
                 raise InvalidInputError(f"batch_group must be an int in [0, {MAX_PIPELINE_GROUPS}), got {group!r}")
             cache.batch_group = group
+        seq = metadata.get("seq")
+        if seq is not None and not is_count(seq):
+            raise InvalidInputError(f"seq must be a non-negative int, got {seq!r}")
         length = hidden.shape[1]
         if position + length > cache.max_length:
             raise LengthExceededError(
@@ -217,6 +225,10 @@ class InferenceStreams(ServerPush):
         self.caches.check_not_evicted(cache)
         async with cache.lock:
             self.caches.check_not_evicted(cache)  # evicted while this step waited for the lock
+            if pushed and (seq is None or seq <= cache.last_seq):
+                raise InvalidInputError(f"a stale push (seq {seq!r}, the session ran {cache.last_seq})")
+            if seq is not None:
+                cache.last_seq = max(cache.last_seq, seq)
             cache.touch()
             cache.position = position  # rolls back when position < cached tokens
             self.caches.ensure_capacity(cache, position + length)
@@ -247,7 +259,7 @@ class InferenceStreams(ServerPush):
         if not isinstance(step_id, str) or step_id in recent:
             return None
         try:
-            out, position = await self._step(cache, tensors, metadata)
+            out, position = await self._step(cache, tensors, metadata, pushed=True)
             recent.append(step_id)
             self.pushes_used += 1
             self._push_next(out, metadata, pushes)

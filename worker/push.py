@@ -18,7 +18,7 @@ from hivemind.p2p import P2PContext
 from hivemind.proto import runtime_pb2
 
 from swarm_client import protocol
-from swarm_client.capabilities import token_matches
+from swarm_client.capabilities import push_auth_matches
 from swarm_client.errors import InvalidInputError, RemoteError, SessionAccessError
 from worker.cache import CacheManager
 from worker.early_pushes import EarlyPushes
@@ -64,9 +64,9 @@ class ServerPush(WireChecks):
 
     def accept_push(self, request: runtime_pb2.ExpertRequest, metadata: dict) -> bool:
         """Queue a pushed step into its session's inbox: False if that is full (pushes only save a hop, the
-        client's own copy follows); a typed error if the step is malformed or the sender lacks the push
-        token the session was opened with (knowing a session id is not enough to steer it); ``metadata``:
-        the request's, unpacked."""
+        client's own copy follows); a typed error if the step is malformed or lacks the client's authorization
+        of this very step (``capabilities.push_auth``: knowing a session id, or having been asked to push
+        another step, is not enough to steer it); ``metadata``: the request's, unpacked."""
         session_id, step_id = metadata.get("session_id"), metadata.get("step_id")
         if not isinstance(step_id, str) or len(step_id) > MAX_STEP_ID_CHARS:
             raise InvalidInputError(f"a pushed step needs a step_id string of at most {MAX_STEP_ID_CHARS} chars")
@@ -74,9 +74,10 @@ class ServerPush(WireChecks):
         if inbox is None and self._hold_early(request, metadata):
             return True
         cache = self.caches.sessions.get(session_id) if inbox is not None else None
-        if cache is None or not token_matches(metadata.get("push_token"), cache.push_digest):
+        if cache is None or not push_auth_matches(cache.push_key, metadata):
             raise SessionAccessError(
-                f"no open session {str(session_id)[:80]!r} here accepts pushes without its push token"
+                f"no open session {str(session_id)[:80]!r} here accepts this push: it needs the client's "
+                "authorization of this step (push_auth over its step_id, position and seq)"
             )
         self._check_compression_out(metadata)
         tensors = self._deserialize(request.tensors, max_count=1)
@@ -92,18 +93,18 @@ class ServerPush(WireChecks):
         session_id = metadata.get("session_id")
         if not isinstance(session_id, str) or len(session_id) > MAX_SESSION_ID_CHARS:
             return False
-        if not isinstance(metadata.get("push_token"), str) or session_id in self.caches.sessions:
-            return False  # no token to check later, or a session held by no stream here (kept for a resume)
+        if not isinstance(metadata.get("push_auth"), str) or session_id in self.caches.sessions:
+            return False  # nothing to check later, or a session held by no stream here (kept for a resume)
         self._check_compression_out(metadata)
         if not self.early_pushes.hold(session_id, self._deserialize(request.tensors, max_count=1), metadata):
             return False
         self.pushes_held += 1
         return True
 
-    def deliver_early(self, session_id: str, inbox: asyncio.Queue, push_digest: bytes | None) -> None:
-        """Queue the pushes held for a session that just opened, if they carry its push token."""
+    def deliver_early(self, session_id: str, inbox: asyncio.Queue, push_key: str | None) -> None:
+        """Queue the pushes held for a session that just opened, if the client authorized each of them."""
         for tensors, metadata in self.early_pushes.take(session_id):
-            if not token_matches(metadata.get("push_token"), push_digest):
+            if not push_auth_matches(push_key, metadata):
                 self.pushes_refused += 1
                 continue
             try:
@@ -135,9 +136,10 @@ class ServerPush(WireChecks):
                 [out],
                 compression=metadata.get("compression_out", "none"),
                 session_id=session_id,
-                push_token=target.get("push_token"),
+                push_auth=target.get("push_auth"),
                 step_id=metadata.get("step_id"),
                 position=metadata.get("position"),
+                seq=metadata.get("seq"),
                 push_chain=chain[1:],
                 compression_out=metadata.get("compression_out", "none"),
             )
