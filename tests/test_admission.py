@@ -7,6 +7,7 @@ One real worker whose ``--cache-tokens`` is small, a real uvicorn gateway, the o
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 from collections.abc import Iterator
@@ -148,6 +149,13 @@ def test_default_max_tokens_fits_what_the_cache_leaves(gateway: Gateway, tiny_ll
     error = outgrown.value.body
     print(f"{prompt} prompt tokens: {error['message']}")
     assert error["code"] == "cache_capacity_exceeded" and "start a new one" in error["message"], error
+    parameters = {"type": "object", "properties": {"word": {"type": "string"}}}
+    tool = {"type": "function", "function": {"name": "lookup", "description": "Meaning", "parameters": parameters}}
+    with pytest.raises(openai.BadRequestError) as with_tools:  # ... and says how much of it the tools are
+        client.chat.completions.create(model=gateway.model, messages=messages, tools=[tool])
+    error = with_tools.value.body
+    assert error["code"] == "cache_capacity_exceeded", error
+    assert re.search(r" \d+ of the prompt's tokens are the 1 tool definitions sent with it", error["message"]), error
 
 
 @pytest.mark.slow

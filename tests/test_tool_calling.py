@@ -196,7 +196,18 @@ def test_open_webui_shaped_request_streams_200(gw: Gateway) -> None:
     stream_open_webui_style(gw, {**body, "tools": body["tools"][:4], "model": gw.model, "max_tokens": 16})
     with gw.http() as http:
         r = http.post("/v1/chat/completions", json={**body, "model": gw.model})
-    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+        error = r.json()["error"]
+        assert r.status_code == 400 and error["code"] == "context_length_exceeded"
+        # the user never wrote the tools: the 400 says they are what does not fit
+        alone = f"The {len(body['tools'])} tool definitions alone are longer than that."
+        assert error["message"].endswith(alone), error
+        long_chat = [{"role": "user", "content": "tell me more " * 700}]
+        shorter = {**body, "model": gw.model, "messages": long_chat, "tools": body["tools"][:4]}
+        r = http.post("/v1/chat/completions", json=shorter)
+        error = r.json()["error"]
+    assert r.status_code == 400 and error["code"] == "context_length_exceeded", error
+    share = re.search(r" (\d+) of the prompt's tokens are the 4 tool definitions sent with it", error["message"])
+    assert share and 100 < int(share[1]) < 2048, error["message"]
 
 
 def test_assistant_calls_and_tool_results_in_later_turns(gw: Gateway, client: openai.OpenAI) -> None:

@@ -18,7 +18,7 @@ from gateway.schema.requests import ChatCompletionMessageParam, ToolCallParam
 from gateway.tools.formats import ToolFormat, format_call_json, tool_call_id
 from gateway.tools.plan import ToolPlan, tool_instructions
 
-__all__ = ["chat_messages"]
+__all__ = ["chat_messages", "with_instructions"]
 
 
 def chat_messages(
@@ -48,7 +48,7 @@ def chat_messages(
                 message["content"] = f"{text}\n{calls}" if text else calls
         out.append(message)
     if plan is not None and not fmt.native:
-        out = _with_instructions(out, tool_instructions(plan.tools, fmt))
+        out = with_instructions(out, tool_instructions(plan.tools, fmt))
     return out
 
 
@@ -106,7 +106,7 @@ def _written_call(call: ToolCallParam, fmt: ToolFormat) -> str:
     return f"{fmt.opener}\n{format_call_json(call.function.name, _arguments(call), fmt)}\n{fmt.closer}"
 
 
-def _with_instructions(messages: list[dict[str, Any]], instructions: str) -> list[dict[str, Any]]:
+def with_instructions(messages: list[dict[str, Any]], instructions: str) -> list[dict[str, Any]]:
     """The tool instructions after the first system message's text, or as a system message of their own."""
     if messages and messages[0]["role"] == "system":
         first = dict(messages[0])

@@ -39,6 +39,7 @@ from gateway.api.request_parts import (
 )
 from gateway.api.route_info import RouteInfo
 from gateway.api.streaming import ChatChunkBuilder, CompletionChunkBuilder, event_stream
+from gateway.api.tool_share import naming_tool_share
 from gateway.decode.capacity_queue import NEED
 from gateway.decode.choices import ChoiceResult, ChoiceSpec
 from gateway.decode.engine import Engine
@@ -77,8 +78,9 @@ async def create_chat_completion(engine: Engine, req: ChatCompletionRequest, req
     # the tokenize thread (gateway/decode/tokenize_thread.py): a prompt of megabytes must not hold the event loop
     requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     native_tools = tools.tools if tools is not None and fmt.native else None
-    prompt = await engine.render_chat(messages, native_tools, requested=requested)
-    max_tokens = engine.max_tokens_for(len(prompt), requested, param="messages")
+    async with naming_tool_share(engine, tools):  # a prompt too long: how much of it is tools, in the 400
+        prompt = await engine.render_chat(messages, native_tools, requested=requested)
+        max_tokens = engine.max_tokens_for(len(prompt), requested, param="messages")
     stop = stop_list(req.stop) + (tools.stop if tools is not None else [])
     grammar = await chat_grammar(engine, req, tools)
     keep_special = tools is not None and await engine.special_token_id(fmt.opener or "<|python_tag|>") is not None
@@ -101,7 +103,8 @@ async def create_chat_completion(engine: Engine, req: ChatCompletionRequest, req
     ]
     model = served.id
     completion_id = f"chatcmpl-{uuid.uuid4().hex}"
-    NEED.set(admission_need(engine, specs))  # a 400 if the swarm could never hold it; else reserved
+    async with naming_tool_share(engine, tools):
+        NEED.set(admission_need(engine, specs))  # a 400 if the swarm could never hold it; else reserved
     key = session_key(request, req.user)
     # a chat UI's background request (title, tags, follow-ups) is not kept: it would evict the conversation's cache
     generation = await engine.start(specs, key, cache_owner(request), keep=not is_one_off(req, key))
