@@ -4,9 +4,9 @@ The caller owns the backend (creates it before, closes it after); the app only k
 The app owns its session-affinity store (``app.state.affinity``: Redis with ``settings.redis_url``, else in
 memory; None with ``settings.affinity`` off) and its stored responses (``app.state.responses_store``, the
 same choice), and closes them at shutdown.
-Middleware, outermost first: CORS → ``RequestContextMiddleware`` (x-request-id on every response, and the
-500 envelope for anything unexpected) → ``metrics.MetricsMiddleware`` (Prometheus metrics and the access
-log line of every request, ``gateway/access_log.py``) → the admission chain of
+Middleware, outermost first: CORS → ``RequestContextMiddleware`` (x-request-id and x-swarm-replica on every
+response, and the 500 envelope for anything unexpected) → ``metrics.MetricsMiddleware`` (Prometheus metrics
+and the access log line of every request, ``gateway/access_log.py``) → the admission chain of
 ``limits.install_limits`` (auth, body size, rate limits, stream slots) → Starlette's exception handlers
 (``errors.install_error_handlers``).
 """
@@ -41,21 +41,28 @@ from gateway.settings import GatewaySettings
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["RequestContextMiddleware", "create_app"]
+__all__ = ["REPLICA_HEADER", "RequestContextMiddleware", "create_app"]
 
 REQUEST_ID_HEADER = "x-request-id"
+#: the replica that answered (``settings.replica_id``, the name it writes into affinity records): behind a
+#: load balancer, which of the gateway's replicas served each request
+REPLICA_HEADER = "x-swarm-replica"
 #: the longest start-up waits for the grammar engine's warm-up (gateway/grammars/compile.py) before serving
 GRAMMAR_WARM_UP_WAIT_S = 15.0
 _SAFE_REQUEST_ID = re.compile(r"^[\w.\-:/+=@]{1,128}$")
+#: a replica id is the operator's or the host's name: anything else is replaced, so it is always a header value
+_UNSAFE_REPLICA = re.compile(r"[^A-Za-z0-9._\-:]")
 
 
 class RequestContextMiddleware:
     """Gives every request an id (the client's ``x-request-id`` if it is sane, else a new one), echoes it on
-    the response, and turns an exception no handler caught into a 500 in the OpenAI envelope — Starlette's
-    own fallback sits outside all middleware and would answer with a bare text 500."""
+    the response with the replica's name (``x-swarm-replica``, when given), and turns an exception no handler
+    caught into a 500 in the OpenAI envelope — Starlette's own fallback sits outside all middleware and would
+    answer with a bare text 500."""
 
-    def __init__(self, app: ASGIApp):
+    def __init__(self, app: ASGIApp, replica_id: str | None = None):
         self.app = app
+        self.replica = _UNSAFE_REPLICA.sub("_", replica_id)[:128] if replica_id else None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -70,7 +77,10 @@ class RequestContextMiddleware:
             nonlocal started
             if message["type"] == "http.response.start":
                 started = True
-                MutableHeaders(scope=message)[REQUEST_ID_HEADER] = request_id
+                headers = MutableHeaders(scope=message)
+                headers[REQUEST_ID_HEADER] = request_id
+                if self.replica:
+                    headers[REPLICA_HEADER] = self.replica
             await send(message)
 
         try:
@@ -122,13 +132,14 @@ def create_app(backend: ModelBackend, settings: GatewaySettings | None = None) -
     install_error_handlers(app, retry_after_s=settings.retry_after_s)
     install_limits(app, settings)  # auth, body size, rate limits, stream slots (gateway/admission/limits.py)
     install_metrics(app)  # /metrics; its middleware wraps the limits, so their 401/413/429/503 count
-    app.add_middleware(RequestContextMiddleware)
+    app.add_middleware(RequestContextMiddleware, replica_id=app.state.engine.replica_id)
     app.add_middleware(
         CORSMiddleware,
         allow_origins=settings.cors_origins,
         allow_methods=["*"],
         allow_headers=["*"],
-        expose_headers=[REQUEST_ID_HEADER, *EXPOSED_HEADERS],  # x-swarm-route etc., for pages on other origins
+        # x-swarm-route etc., for pages on other origins
+        expose_headers=[REQUEST_ID_HEADER, REPLICA_HEADER, *EXPOSED_HEADERS],
     )
     return app
 

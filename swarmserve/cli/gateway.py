@@ -36,6 +36,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         default=None,
         help="affinity store, rate-limit counters and stored /v1/responses, shared by replicas (default: memory)",
     )
+    p.add_argument(
+        "--replica-id",
+        default=None,
+        metavar="NAME",
+        help="this replica's name: the x-swarm-replica header of every answer and the writer of its affinity "
+        "records (also: SWARMSERVE_REPLICA_ID; default: host, pid and a random suffix)",
+    )
     add_listen_flags(p, "the HTTP API", 8000)
     add_client_flags(p)
     p.add_argument(
@@ -222,6 +229,7 @@ def run(args: argparse.Namespace, rest: list[str]) -> int:
         **trust_settings(args),
         **speculation_settings(args),
         **({"adapter_aliases": args.adapter_alias} if args.adapter_alias else {}),
+        **({"replica_id": args.replica_id} if args.replica_id else {}),
     )
     cfg = GatewayConfig(
         settings, model_id=args.model_id, dht_prefix=args.dht_prefix, client_options=client_options(args, settings)
