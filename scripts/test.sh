@@ -6,12 +6,14 @@ scripts/setup.sh test
 # shellcheck disable=SC1091
 . .venv/bin/activate
 # What the integration tests need outside Python, installed when missing and we may (root, Debian):
-# redis-server (affinity, rate limits), chromium (the /swarm and /docs pages in a real browser),
+# redis-server (affinity, rate limits), haproxy (gateway replicas behind a load balancer,
+# tests/test_gateway_replicas_lb.py), chromium (the /swarm and /docs pages in a real browser),
 # iptables (the network-namespace lab's NAT router, tests/netlab.py) and, for the lab's emulated delays
 # (tests/netlab_delay.py), the Python package netfilterqueue, built here against libnetfilter-queue-dev.
 # SWARMSERVE_REQUIRE (set by .ci/run) turns the tests' skips for what is still missing into failures.
 missing=""
 command -v redis-server >/dev/null 2>&1 || [ -n "${REDIS_URL:-}" ] || missing="$missing redis-server"
+command -v haproxy >/dev/null 2>&1 || missing="$missing haproxy"
 command -v chromium >/dev/null 2>&1 || missing="$missing chromium"
 command -v iptables >/dev/null 2>&1 || missing="$missing iptables"
 # Docker engine, Compose, mmdebstrap (the local base image: scripts/docker_base.sh): tests/test_docker_compose.py
