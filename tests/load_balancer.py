@@ -39,6 +39,9 @@ def haproxy_config(port: int, stats_port: int, servers: dict[str, str], *, check
         "    option redispatch",  # a refused connection's retry goes to another replica
         "    retries 2",
         "    timeout connect 1s",
+        # a busy replica answers /health late (2 loaded cores): a check fails on a refused connection at once,
+        # on a slow answer only after this
+        "    timeout check 3s",
         "    timeout client 300s",  # a stream's gaps (a long prefill) and an idle SDK connection
         "    timeout server 300s",
         "    timeout http-request 10s",
