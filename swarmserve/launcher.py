@@ -158,7 +158,8 @@ class LocalSwarm:
         self._checks = runtime.run(_serve_reachability_checks(self.dht), timeout=30)
 
     def _start_dht_process(self) -> None:
-        self.dht_process = ChildProcess.spawn("dht", ["dht"], child_env(extra=self.extra_env), echo=self.echo)
+        # the workers' environment (their thread counts too): a test zygote forks both (swarmserve/zygote.py)
+        self.dht_process = ChildProcess.spawn("dht", ["dht"], self._env(), echo=self.echo)
         try:
             line = self.dht_process.wait_for(DHT_READY)
         except BaseException:

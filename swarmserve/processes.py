@@ -24,6 +24,10 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any, overload
 
+from swarmserve.zygote import forked as _forked
+from swarmserve.zygote import parent_death_signal as _parent_death_signal
+from swarmserve.zygote import stop_zygote, use_zygote
+
 __all__ = [
     "DHT_READY",
     "WORKER_READY",
@@ -33,7 +37,9 @@ __all__ = [
     "child_env",
     "forks_in_their_own_session",
     "stop_processes",
+    "stop_zygote",
     "swarmserve_argv",
+    "use_zygote",
     "wait_ready",
 ]
 
@@ -64,25 +70,6 @@ def child_env(threads: int | None = None, extra: dict[str, str] | None = None) -
         env["OMP_NUM_THREADS"] = env["MKL_NUM_THREADS"] = str(threads)
     env.update(extra or {})
     return env
-
-
-def _parent_death_signal() -> Callable[[], None] | None:
-    """Linux: a child that gets SIGTERM when its parent dies, so even ``kill -9`` of the parent leaves no
-    worker behind (its own session keeps it out of reach of the terminal's Ctrl-C)."""
-    if not sys.platform.startswith("linux"):
-        return None
-    import ctypes
-
-    try:
-        prctl = ctypes.CDLL(None, use_errno=True).prctl  # resolved here, not in the forked child
-    except (OSError, AttributeError):
-        return None
-    pr_set_pdeathsig = 1
-
-    def set_signal() -> None:
-        prctl(pr_set_pdeathsig, signal.SIGTERM)
-
-    return set_signal
 
 
 _detach_forks = False
@@ -119,7 +106,7 @@ class ChildProcess:
 
     ready_prefix: str | None = None
 
-    def __init__(self, name: str, popen: subprocess.Popen, *, echo: bool = False, keep_lines: int = 5000):
+    def __init__(self, name: str, popen: subprocess.Popen | Any, *, echo: bool = False, keep_lines: int = 5000):
         self.name = name
         self.popen = popen
         self.echo = echo
@@ -136,19 +123,22 @@ class ChildProcess:
     @classmethod
     def spawn(cls, name: str, args: Sequence[str], env: dict[str, str] | None = None, *, echo: bool = False, **kw: Any):
         """Start ``swarmserve *args`` and read its output in a daemon thread."""
-        popen = subprocess.Popen(
-            swarmserve_argv(*args),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            text=True,
-            errors="replace",
-            env=env if env is not None else child_env(),
-            start_new_session=True,
-            preexec_fn=_parent_death_signal(),
-        )
+        argv, env = swarmserve_argv(*args), env if env is not None else child_env()
+        popen, how = _forked(argv, env)
+        if popen is None:
+            popen = subprocess.Popen(
+                argv,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                text=True,
+                errors="replace",
+                env=env,
+                start_new_session=True,
+                preexec_fn=_parent_death_signal(),
+            )
         proc = cls(name, popen, echo=echo, **kw)
-        proc._log_spawn(args)
+        proc._log_spawn(args, how=how)
         threading.Thread(target=proc._read, name=f"{name}-log", daemon=True).start()
         return proc
 

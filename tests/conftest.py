@@ -102,6 +102,11 @@ def smollm2_path(smollm2_cache: pathlib.Path) -> str:
     return str(resolve_model_path(SMOLLM2_ID, cache_dir=str(smollm2_cache)))
 
 
+#: ``SWARMSERVE_TEST_ZYGOTE=0``: every ``swarmserve`` child of the tests starts a new interpreter, as before
+#: the zygote (``swarmserve/zygote.py``); default on
+ZYGOTE_ENV = "SWARMSERVE_TEST_ZYGOTE"
+
+
 # ------------------------------------------------------------------------------------ required or skipped
 
 #: what each name of ``SWARMSERVE_REQUIRE`` stands for, and how to get it
@@ -140,6 +145,18 @@ def require_or_skip(name: str, reason: str) -> NoReturn:
 
 def pytest_configure(config: pytest.Config) -> None:
     required()  # a typo in SWARMSERVE_REQUIRE stops the run before any test
+    if os.environ.get(ZYGOTE_ENV, "1") != "0":
+        from swarmserve.processes import child_env, use_zygote
+
+        # the environment of the test swarms' workers and DHTs (tests/swarm_fixtures.py): those are forked
+        # from a pre-imported zygote, started at the first of them; children with another start afresh
+        use_zygote(child_env(1, {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}))
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    from swarmserve.processes import stop_zygote
+
+    stop_zygote()
 
 
 # ------------------------------------------------------------------------------------------------- redis
