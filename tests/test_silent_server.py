@@ -86,3 +86,63 @@ def test_a_ping_behind_a_big_step_gets_the_time_its_bytes_take() -> None:
     prefill = 418 * one_token  # 963 kB: 4.3 s per hop through the emulated 25 ms link with slow start
     assert ping_timeout(config, prefill) > 4.3
     assert ping_timeout(config, 0) == config.silent_ping_timeout
+
+
+def test_a_server_frozen_mid_way_through_a_long_prompt_is_replaced_exactly(tiny_llama, local_llama) -> None:
+    """Issue 40's case: a server goes silent in the middle of a prompt four times longer than one step may carry
+    (batch 4 × 1,100 positions = 4,400 token slots, a step's cap 1,024: five prefill steps). The replica of
+    blocks 2:4 is frozen after the third step; the fourth fails over, the replacement gets the span's history
+    (3,072 token slots) in steps as the prefill was sent (sent as one step, every server refused it: "split the
+    prefill into several steps"), and the greedy tokens equal the local model's."""
+    from swarm_client import protocol
+
+    batch, length, new_tokens = 4, 1100, 4
+    assert batch * length >= 4 * protocol.MAX_STEP_TOKENS
+    prompt = torch.randint(5, 200, (batch, length), generator=torch.Generator().manual_seed(40))
+    expected = local_llama.generate(prompt, max_new_tokens=new_tokens, do_sample=False)[:, length:]
+    s = Swarm(tiny_llama)
+    stopped: list[int] = []
+    model = None
+    try:
+        for span in ("0:2", "2:4", "2:4"):
+            s.add_worker(blocks=span)
+        model = AutoDistributedModelForCausalLM.from_pretrained(
+            tiny_llama, initial_peers=[s.initial_peers], failover_deadline=30, spot_check_rate=0.0
+        )
+        steps: list[int] = []
+        frozen: list[str] = []
+        opened = model.inference_session(max_length=length + new_tokens, batch_size=batch)
+        with torch.inference_mode(), opened as session:
+            step_chain = session._step_chain
+
+            async def freezing_after_the_third_step(hidden, position, output_hidden_states):
+                out = await step_chain(hidden, position, output_hidden_states)
+                steps.append(position)
+                if len(steps) == 3:
+                    hop = next(h for h in session.route if h.start <= 2 < h.end)
+                    worker = next(w for w in s.workers if w.peer_id == hop.peer_id)
+                    _signal_group(worker.popen.pid, signal.SIGSTOP)
+                    stopped.append(worker.popen.pid)
+                    frozen.append(hop.peer_id)
+                return out
+
+            session._step_chain = freezing_after_the_third_step
+            logits = model(prompt, session=session).logits
+            tokens = []
+            for step in range(new_tokens):
+                token = logits[:, -1].argmax(-1, keepdim=True)
+                tokens.append(token)
+                if step + 1 < new_tokens:
+                    logits = model(token, session=session).logits
+        prefill_steps = [p for p in steps if p < length]
+        print(f"prefill steps at {prefill_steps}; failovers {session.failovers}")
+        assert len(prefill_steps) >= 5
+        assert torch.equal(torch.cat(tokens, 1), expected)
+        assert session.failovers >= 1
+        assert frozen and frozen[0] not in {h.peer_id for h in session.route}
+    finally:
+        for pid in stopped:
+            _signal_group(pid, signal.SIGCONT)
+        if model is not None:
+            model.shutdown()
+        s.close()
