@@ -13,6 +13,7 @@ and the access log line of every request, ``gateway/access_log.py``) → the adm
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import re
 import time
@@ -41,7 +42,7 @@ from gateway.settings import GatewaySettings
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["REPLICA_HEADER", "RequestContextMiddleware", "create_app"]
+__all__ = ["REPLICA_HEADER", "RequestContextMiddleware", "create_app", "public_replica_id"]
 
 REQUEST_ID_HEADER = "x-request-id"
 #: the replica that answered (``settings.replica_id``, the name it writes into affinity records): behind a
@@ -52,6 +53,15 @@ GRAMMAR_WARM_UP_WAIT_S = 15.0
 _SAFE_REQUEST_ID = re.compile(r"^[\w.\-:/+=@]{1,128}$")
 #: a replica id is the operator's or the host's name: anything else is replaced, so it is always a header value
 _UNSAFE_REPLICA = re.compile(r"[^A-Za-z0-9._\-:]")
+
+
+def public_replica_id(configured: str | None, engine: Engine) -> str:
+    """The name ``x-swarm-replica`` shows: the operator's ``--replica-id``, else a digest of the default one
+    (host, pid, a random suffix) — stable for the process, it tells replicas apart without telling the
+    internet the host's name and the gateway's process id."""
+    if configured:
+        return configured
+    return "replica-" + hashlib.sha256(engine.replica_id.encode()).hexdigest()[:12]
 
 
 class RequestContextMiddleware:
@@ -132,7 +142,7 @@ def create_app(backend: ModelBackend, settings: GatewaySettings | None = None) -
     install_error_handlers(app, retry_after_s=settings.retry_after_s)
     install_limits(app, settings)  # auth, body size, rate limits, stream slots (gateway/admission/limits.py)
     install_metrics(app)  # /metrics; its middleware wraps the limits, so their 401/413/429/503 count
-    app.add_middleware(RequestContextMiddleware, replica_id=app.state.engine.replica_id)
+    app.add_middleware(RequestContextMiddleware, replica_id=public_replica_id(settings.replica_id, app.state.engine))
     app.add_middleware(
         CORSMiddleware,
         allow_origins=settings.cors_origins,

@@ -301,3 +301,19 @@ def test_every_answer_names_its_replica() -> None:
         for response in (http.get("/health"), http.get("/v1/models"), http.get("/nothing"),
                          http.post("/v1/chat/completions", content=b"{")):  # fmt: skip
             assert response.headers[REPLICA] == "eu-1_gw_2", response  # made a safe header value
+
+
+def test_an_unnamed_replica_shows_a_digest_not_its_host_and_pid() -> None:
+    """Without ``--replica-id`` the header tells replicas apart by a digest of the default name (host, pid, a
+    random suffix): the internet learns neither the host's name nor the gateway's process id."""
+    import os
+    import socket
+
+    from gateway import LocalBackend
+    from tests.gateway_fixtures import temporary_gateway, tiny_model_dir
+
+    with temporary_gateway(lambda: LocalBackend(tiny_model_dir())) as gw, gw.http() as http:
+        shown = {http.get("/health").headers[REPLICA], http.get("/v1/models").headers[REPLICA]}
+    (name,) = shown
+    assert re.fullmatch(r"replica-[0-9a-f]{12}", name), name
+    assert socket.gethostname() not in name and str(os.getpid()) not in name
