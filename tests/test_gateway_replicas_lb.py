@@ -33,7 +33,7 @@ import torch
 
 from swarm_client.capabilities import SECRET_ENV
 from swarmserve.processes import ChildProcess, child_env
-from tests.conftest import REQUIREMENTS, RedisServer, free_port, require_or_skip
+from tests.conftest import RedisServer, free_port, require_or_skip
 from tests.gateway_fixtures import QUESTIONS, assert_greedy, chat_prompt_ids, conversation, greedy_reference
 from tests.load_balancer import HAProxy
 
@@ -61,10 +61,7 @@ class Service:
 def _need_haproxy() -> None:
     if HAProxy.available():
         return
-    reason = "haproxy is not on PATH (Debian: apt-get install -y haproxy)"
-    if "haproxy" in REQUIREMENTS:
-        require_or_skip("haproxy", reason)
-    pytest.skip(reason)
+    require_or_skip("haproxy", "haproxy is not on PATH (Debian: apt-get install -y haproxy)")
 
 
 @pytest.fixture(scope="module")
