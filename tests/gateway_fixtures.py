@@ -106,6 +106,33 @@ def greedy_reference(prompt_ids: list[int], max_tokens: int, model_dir: str | Pa
     return Greedy(out, logprobs, tokenizer.decode(out, skip_special_tokens=True), "length")
 
 
+#: the end-of-turn tokens of the tiny tokenizer and SmolLM2: banned, a reply runs to its ``max_tokens``
+EOS_TOKENS = ("<|im_end|>", "<|endoftext|>")
+
+
+def eos_bias(model_dir: str | Path | None = None) -> dict[str, int]:
+    """A ``logit_bias`` banning the model's end tokens: the reply is exactly ``max_tokens`` long (a session
+    that grows to its full size, a stream long enough to outlive a kill)."""
+    _, tokenizer = _reference(str(model_dir or tiny_model_dir()))
+    return {str(tokenizer.convert_tokens_to_ids(t)): -100 for t in EOS_TOKENS}
+
+
+def greedy_without_eos(
+    prompt_ids: list[int], max_tokens: int, model_dir: str | Path | None = None
+) -> tuple[list[int], str]:
+    """The local model's greedy ids and text of exactly ``max_tokens`` tokens with the end tokens banned
+    (what a gateway must stream under ``eos_bias``)."""
+    model, tokenizer = _reference(str(model_dir or tiny_model_dir()))
+    banned = [int(t) for t in eos_bias(model_dir)]
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor([prompt_ids]), max_new_tokens=max_tokens, min_new_tokens=max_tokens, do_sample=False,
+            suppress_tokens=banned, pad_token_id=banned[0],
+        )  # fmt: skip
+    ids = out[0, len(prompt_ids) :].tolist()
+    return ids, tokenizer.decode(ids, skip_special_tokens=True)
+
+
 def assert_greedy(
     response: Any, prompt_ids: list[int], max_tokens: int, model_dir: str | Path | None = None
 ) -> Greedy:

@@ -16,11 +16,10 @@ from typing import Any
 import httpx
 import openai
 import pytest
-import torch
 
 from gateway.backends.swarm_view import CacheRoom, cache_room
 from swarm_client.dht_records import RemoteSpanInfo, ServerInfo, ServerState
-from tests.gateway_fixtures import Gateway, chat_prompt_ids, swarm_gateway, tiny_tokenizer
+from tests.gateway_fixtures import Gateway, chat_prompt_ids, eos_bias, greedy_without_eos, swarm_gateway, tiny_tokenizer
 from tests.swarm_fixtures import swarm
 
 CACHE_TOKENS = 1024
@@ -60,11 +59,6 @@ def gateway(tiny_llama: str) -> Iterator[Gateway]:
         yield gw
 
 
-def _no_eos() -> dict[str, int]:
-    tok = tiny_tokenizer()
-    return {str(tok.convert_tokens_to_ids(t)): -100 for t in ("<|im_end|>", "<|endoftext|>")}
-
-
 def _health(gw: Gateway) -> dict[str, Any]:
     r = httpx.get(gw.url + "/health", timeout=10)
     assert r.status_code == 200, r.text
@@ -78,18 +72,6 @@ def _poll_health(gw: Gateway, status: str, within_s: float) -> tuple[dict[str, A
         time.sleep(0.2)
         body = _health(gw)
     return body, time.monotonic() - t0
-
-
-def _greedy_no_eos(model: Any, prompt_ids: list[int], max_tokens: int, banned: list[int]) -> list[int]:
-    """Argmax decoding with the local model, ``banned`` tokens (EOS) never chosen: a run of exactly
-    ``max_tokens`` tokens, whose session grows to its full size."""
-    ids = list(prompt_ids)
-    with torch.no_grad():
-        for _ in range(max_tokens):
-            logits = model(torch.tensor([ids])).logits[0, -1].float()
-            logits[banned] = -float("inf")
-            ids.append(int(logits.argmax()))
-    return ids[len(prompt_ids) :]
 
 
 @pytest.mark.slow
@@ -135,7 +117,7 @@ def test_default_max_tokens_fits_what_the_cache_leaves(gateway: Gateway, tiny_ll
     default = gateway.server.app.state.engine.settings.default_max_tokens
     messages, prompt = _chat_of(CACHE_TOKENS - default // 2, tiny_llama)  # prompt + the default > the cache
     assert prompt + default > CACHE_TOKENS > prompt
-    reply = client.chat.completions.create(model=gateway.model, messages=messages, logit_bias=_no_eos())
+    reply = client.chat.completions.create(model=gateway.model, messages=messages, logit_bias=eos_bias())
     usage, finish = reply.usage, reply.choices[0].finish_reason
     print(f"{prompt} prompt tokens, no max_tokens: {usage.completion_tokens} tokens, {finish}")
     assert reply.choices[0].finish_reason == "length"
@@ -163,7 +145,7 @@ def test_a_big_request_that_fits_does_not_starve_a_small_one(
     gateway: Gateway, tiny_llama: str, local_llama: Any
 ) -> None:
     client = gateway.client(max_retries=0, timeout=120)
-    bias = _no_eos()
+    bias = eos_bias()
     big: dict[str, Any] = {}
 
     def run_big() -> None:
@@ -194,7 +176,7 @@ def test_a_big_request_that_fits_does_not_starve_a_small_one(
     print(f"big n=4 x {BIG_TOKENS}: {big.get('took', 0):.2f} s; small (waited its turn): {small_took:.2f} s")
     assert "error" not in big, big.get("error")
     assert [c.finish_reason for c in big["reply"].choices] == ["length"] * 4
-    expected = _greedy_no_eos(local_llama, chat_prompt_ids(small_messages, tiny_llama), 300, [int(t) for t in bias])
+    expected, _ = greedy_without_eos(chat_prompt_ids(small_messages, tiny_llama), 300, tiny_llama)
     assert small.choices[0].message.content == tiny_tokenizer().decode(expected, skip_special_tokens=True)
     assert small.usage.completion_tokens == 300  # 940 + 311 > 1024: it could only run after the big one
     assert not gateway.backend.manager.bans.banned()
@@ -203,7 +185,7 @@ def test_a_big_request_that_fits_does_not_starve_a_small_one(
 @pytest.mark.slow
 def test_health_is_degraded_while_the_cache_is_full_and_ok_after(gateway: Gateway) -> None:
     assert _health(gateway)["status"] == "ok"
-    bias = _no_eos()
+    bias = eos_bias()
     done = threading.Event()
 
     def fill() -> None:  # 2 sessions × 500 slots: ~1000 of 1024 once they have grown

@@ -32,7 +32,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import require_or_skip
-from tests.gateway_fixtures import chat_prompt_ids, greedy_reference
+from tests.gateway_fixtures import chat_prompt_ids, eos_bias, greedy_reference, greedy_without_eos
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 
@@ -346,41 +346,20 @@ def _serving_peer(stack: Stack, project: str, env: dict) -> str:
     return re.findall(r"swarmserve worker ready: .* as peer (\S+);", logs)[-1]
 
 
-def _greedy_without_eos(model_dir: Path, prompt_ids: list[int], max_tokens: int) -> str:
-    """The local 🤗 model's greedy text of exactly ``max_tokens`` tokens, EOS never chosen (the stream below
-    bans it with ``logit_bias``, so the reply runs long enough to outlive a kill)."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    eos = [tokenizer.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|endoftext|>")]
-    with torch.no_grad():
-        out = model.generate(
-            torch.tensor([prompt_ids]), max_new_tokens=max_tokens, min_new_tokens=max_tokens, do_sample=False,
-            suppress_tokens=eos, pad_token_id=eos[0],
-        )  # fmt: skip
-    return tokenizer.decode(out[0, len(prompt_ids) :], skip_special_tokens=True)
-
-
 def test_killing_the_serving_worker_mid_stream_keeps_the_text(stack: Stack) -> None:
     """``docker kill`` of the worker container holding a stream's session (read from ``x-swarm-route``): the
     gateway fails over to the other machine's worker and the streamed text equals the local greedy text; tokens
     keep coming after the kill, so the generation did outlive it. The killed worker is started again after."""
-    from transformers import AutoTokenizer
-
     machines = {
         _serving_peer(stack, stack.project, stack.env): (stack.project, stack.env),
         _serving_peer(stack, stack.second, stack.second_env): (stack.second, stack.second_env),
     }
     messages = conversation("kill") + [{"role": "user", "content": "Tell me a long story."}]
-    tokenizer = AutoTokenizer.from_pretrained(stack.model_dir)
-    eos = [tokenizer.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|endoftext|>")]
     long_reply = 600
-    expected = _greedy_without_eos(stack.model_dir, chat_prompt_ids(messages, stack.model_dir), long_reply)
+    _, expected = greedy_without_eos(chat_prompt_ids(messages, stack.model_dir), long_reply, stack.model_dir)
     raw = stack.client().chat.completions.with_raw_response.create(
         model=stack.model_id(), messages=messages, max_tokens=long_reply, temperature=0, stream=True,
-        logit_bias={str(t): -100 for t in eos},
+        logit_bias=eos_bias(stack.model_dir),
     )  # fmt: skip
     serving = raw.headers["x-swarm-route"].split("[")[0]
     assert serving in machines, (raw.headers["x-swarm-route"], machines)

@@ -34,7 +34,15 @@ import torch
 from swarm_client.capabilities import SECRET_ENV
 from swarmserve.processes import ChildProcess, child_env
 from tests.conftest import RedisServer, free_port, require_or_skip
-from tests.gateway_fixtures import QUESTIONS, assert_greedy, chat_prompt_ids, conversation, greedy_reference
+from tests.gateway_fixtures import (
+    QUESTIONS,
+    assert_greedy,
+    chat_prompt_ids,
+    conversation,
+    eos_bias,
+    greedy_reference,
+    greedy_without_eos,
+)
 from tests.load_balancer import HAProxy
 
 REPLICA = "x-swarm-replica"
@@ -152,26 +160,6 @@ def test_previous_response_id_resolves_on_either_replica(service: Service) -> No
     assert read_by.keys() == set(NAMES) and set(read_by.values()) == {messages[-1]["content"]}
 
 
-def _no_eos(model_dir: str) -> dict[str, int]:
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(model_dir)
-    return {str(tok.convert_tokens_to_ids(t)): -100 for t in ("<|im_end|>", "<|endoftext|>")}
-
-
-def _greedy_no_eos(model: Any, model_dir: str, messages: list[dict], banned: list[int]) -> str:
-    """The local model's greedy text of exactly ``LONG`` tokens, ``banned`` (EOS) never chosen."""
-    from transformers import AutoTokenizer
-
-    prompt = chat_prompt_ids(messages, model_dir)
-    with torch.no_grad():
-        out = model.generate(
-            torch.tensor([prompt]), max_new_tokens=LONG, min_new_tokens=LONG, do_sample=False,
-            suppress_tokens=banned, pad_token_id=banned[0],
-        )  # fmt: skip
-    return AutoTokenizer.from_pretrained(model_dir).decode(out[0, len(prompt) :], skip_special_tokens=True)
-
-
 @dataclass
 class Stream:
     """A long streamed turn through HAProxy: its replica, then what it read and how it ended."""
@@ -210,9 +198,8 @@ class Stream:
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_killing_a_replica_mid_stream_fails_only_its_streams(service: Service, local_llama: Any) -> None:
-    client, model_dir, bias = service.client(), service.model_dir, _no_eos(service.model_dir)
-    banned = [int(t) for t in bias]
+def test_killing_a_replica_mid_stream_fails_only_its_streams(service: Service) -> None:
+    client, model_dir, bias = service.client(), service.model_dir, eos_bias(service.model_dir)
     # requests 1-4 alternate: M's first turn and the stream to kill go to one replica (the victim), K's first
     # turn and the concurrent stream to the other (the survivor)
     m = conversation("lb-dead-writer") + [{"role": "user", "content": QUESTIONS[0]}]
@@ -225,8 +212,9 @@ def test_killing_a_replica_mid_stream_fails_only_its_streams(service: Service, l
     k += [{"role": "assistant", "content": k_reply.choices[0].message.content},
           {"role": "user", "content": "Tell me a long story."}]  # fmt: skip
     other = conversation("lb-survivor") + [{"role": "user", "content": "Tell me another long story."}]
-    expected = {"k": _greedy_no_eos(local_llama, model_dir, k, banned)}
-    expected["other"] = _greedy_no_eos(local_llama, model_dir, other, banned)
+    expected = {}
+    for name, chat in (("k", k), ("other", other)):
+        expected[name] = greedy_without_eos(chat_prompt_ids(chat, model_dir), LONG, model_dir)[1]
 
     doomed = Stream.open(client, k, bias, user=K_USER)
     survivor = Stream.open(client, other, bias)
