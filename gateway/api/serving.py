@@ -123,7 +123,7 @@ async def create_chat_completion(engine: Engine, req: ChatCompletionRequest, req
             logprobs=top_k is not None,
             tools=tools,
         )
-        return event_stream(generation, CachedTokensUsage(builder), headers=route.headers() | ignored_fields(req))
+        return _streamed(generation, builder, route, req)
 
     results = await cancel_on_disconnect(request, generation.collect())
     if results is None:
@@ -144,10 +144,7 @@ async def create_chat_completion(engine: Engine, req: ChatCompletionRequest, req
         system_fingerprint=engine.system_fingerprint,
         usage=usage_of(len(prompt), results),
     )
-    return JSONResponse(
-        response.model_dump(mode="json"),
-        headers=route.headers(response.usage.completion_tokens) | ignored_fields(req),
-    )
+    return _answered(response, route, req)
 
 
 async def create_completion(engine: Engine, req: CompletionRequest, request: Request) -> Response:
@@ -205,7 +202,7 @@ async def create_completion(engine: Engine, req: CompletionRequest, request: Req
             vocab=engine.vocab,
             logprobs=k is not None,
         )
-        return event_stream(generation, CachedTokensUsage(builder), headers=route.headers() | ignored_fields(req))
+        return _streamed(generation, builder, route, req)
 
     results = await cancel_on_disconnect(request, generation.collect())
     if results is None:
@@ -228,10 +225,19 @@ async def create_completion(engine: Engine, req: CompletionRequest, request: Req
         system_fingerprint=engine.system_fingerprint,
         usage=usage_of(prompt_tokens, results),
     )
-    return JSONResponse(
-        response.model_dump(mode="json"),
-        headers=route.headers(response.usage.completion_tokens) | ignored_fields(req),
-    )
+    return _answered(response, route, req)
+
+
+def _streamed(generation: Any, builder: Any, route: RouteInfo, req: Any) -> Response:
+    """A streamed reply: SSE chunks from ``builder``, usage with cached tokens, the route's headers and the
+    ignored fields' warning header."""
+    return event_stream(generation, CachedTokensUsage(builder), headers=route.headers() | ignored_fields(req))
+
+
+def _answered(response: ChatCompletion | Completion, route: RouteInfo, req: Any) -> JSONResponse:
+    """A whole reply as JSON with the route's headers (the completion tokens counted) and the ignored fields'."""
+    headers = route.headers(response.usage.completion_tokens) | ignored_fields(req)
+    return JSONResponse(response.model_dump(mode="json"), headers=headers)
 
 
 # -------------------------------------------------------------------------------------------- the checks
