@@ -211,8 +211,7 @@ class InferenceSession:
             and self.manager.push_pays(self.route)
         )
         self.pushing = push
-        step_id = uuid.uuid4().hex if push else None
-        self.step_seq += 1
+        step_id = self._new_attempt(push)
         pushed_to: str | None = None  # the session the previous hop pushed this step's output to
         inputs: list[torch.Tensor] = []  # each hop's input this step
         index = 0
@@ -246,8 +245,7 @@ class InferenceSession:
                 liar = self._hops[index - 1].hop.peer_id
                 await self._replace_hop(index - 1, position, PeerError(f"{e} (pushed by {liar})", liar), deadline)
                 index, x = index - 1, inputs[index - 1]
-                step_id, pushed_to = uuid.uuid4().hex, None
-                self.step_seq += 1
+                step_id, pushed_to = self._new_attempt(push), None
                 continue
             except (PeerError, RemoteError) as e:
                 if (
@@ -255,14 +253,11 @@ class InferenceSession:
                     or type(e) is RemoteError
                 ):
                     if isinstance(e, CacheExhaustedError | SessionTooLongError):  # full, not faulty: with every
-                        # server of the span full (or too small: a refused open sent with the first step), wait
-                        # full, wait for room (``busy_wait`` at most, then SwarmBusyError) rather than re-open on
-                        # the full server and fail the same step again, until the failover deadline
+                        # server of the span full (or too small), wait for room (``busy_wait`` at most, then
+                        # SwarmBusyError) rather than re-open on the full server and fail the same step again
                         await wait_for_room(self.manager, e, hop.hop.start, hop.hop.end, busy_deadline, self.adapter)
                     await self._replace_hop(index, position, e, deadline)
-                    # a fresh step id: later hops may have run a push from the failed hop's output
-                    step_id, pushed_to = (uuid.uuid4().hex if push else None), None
-                    self.step_seq += 1
+                    step_id, pushed_to = self._new_attempt(push), None
                     continue  # retry this index with the replacement hop(s)
                 raise
             self.manager.answered(hop.hop.peer_id)
@@ -275,6 +270,11 @@ class InferenceSession:
                 x = out
             index += 1
         return torch.cat(states, 0) if output_hidden_states else x
+
+    def _new_attempt(self, push: bool) -> str | None:
+        """The next ``step_seq``, and a fresh step id if pushed (later hops may have run the last one's push)."""
+        self.step_seq += 1
+        return uuid.uuid4().hex if push else None
 
     async def _spot_check(self, pending: PendingSpotCheck, out: torch.Tensor) -> None:
         """Compare the step's output with the spot check's (``failover.start_spot_check``) and treat a
