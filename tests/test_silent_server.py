@@ -7,6 +7,8 @@ import contextlib
 import os
 import signal
 import time
+from collections.abc import Callable, Iterator
+from typing import Any, NamedTuple
 
 import pytest
 import torch
@@ -31,16 +33,43 @@ def _signal_group(pid: int, sig: int) -> None:
         os.killpg(os.getpgid(pid), sig)  # the worker with its DHT process and p2p daemon: the whole machine
 
 
-def test_sigstopped_server_fails_over_fast_with_identical_tokens(tiny_llama, reference):
+class FrozenSwarm(NamedTuple):
+    """A swarm of blocks 0:2 and two replicas of 2:4, a client over it, and ``freeze(peer_id)``: SIGSTOP the
+    worker serving as that peer (its whole process group), thawed when the swarm closes."""
+
+    swarm: Swarm
+    model: Any
+    freeze: Callable[[str], None]
+
+
+@contextlib.contextmanager
+def frozen_replica_swarm(tiny_llama: str, failover_deadline: float) -> Iterator[FrozenSwarm]:
     s = Swarm(tiny_llama)
     stopped: list[int] = []
     model = None
+
+    def freeze(peer_id: str) -> None:
+        worker = next(w for w in s.workers if w.peer_id == peer_id)
+        _signal_group(worker.popen.pid, signal.SIGSTOP)
+        stopped.append(worker.popen.pid)
+
     try:
         for span in ("0:2", "2:4", "2:4"):
             s.add_worker(blocks=span)
         model = AutoDistributedModelForCausalLM.from_pretrained(
-            tiny_llama, initial_peers=[s.initial_peers], failover_deadline=20, spot_check_rate=0.0
+            tiny_llama, initial_peers=[s.initial_peers], failover_deadline=failover_deadline, spot_check_rate=0.0
         )
+        yield FrozenSwarm(s, model, freeze)
+    finally:
+        for pid in stopped:
+            _signal_group(pid, signal.SIGCONT)
+        if model is not None:
+            model.shutdown()
+        s.close()
+
+
+def test_sigstopped_server_fails_over_fast_with_identical_tokens(tiny_llama, reference):
+    with frozen_replica_swarm(tiny_llama, failover_deadline=20) as (_, model, freeze):
         tokens, failover_s = [], None
         with torch.inference_mode(), model.inference_session(max_length=64) as session:
             logits = model(PROMPT, session=session).logits
@@ -51,9 +80,7 @@ def test_sigstopped_server_fails_over_fast_with_identical_tokens(tiny_llama, ref
                     break
                 if step + 1 == STOP_AT:
                     hop = next(h for h in session.route if h.start <= 2 < h.end)
-                    worker = next(w for w in s.workers if w.peer_id == hop.peer_id)
-                    _signal_group(worker.popen.pid, signal.SIGSTOP)
-                    stopped.append(worker.popen.pid)
+                    freeze(hop.peer_id)
                     t0 = time.monotonic()
                     logits = model(token, session=session).logits
                     failover_s = time.monotonic() - t0
@@ -64,12 +91,6 @@ def test_sigstopped_server_fails_over_fast_with_identical_tokens(tiny_llama, ref
         assert session.failovers >= 1
         assert hop.peer_id not in {h.peer_id for h in session.route}
         assert failover_s < 10.0  # expected ≈ 2-3 s: probe_after + silent_pings × silent_ping_timeout + replay
-    finally:
-        for pid in stopped:
-            _signal_group(pid, signal.SIGCONT)
-        if model is not None:
-            model.shutdown()
-        s.close()
 
 
 def test_a_ping_behind_a_big_step_gets_the_time_its_bytes_take() -> None:
@@ -100,15 +121,7 @@ def test_a_server_frozen_mid_way_through_a_long_prompt_is_replaced_exactly(tiny_
     assert batch * length >= 4 * protocol.MAX_STEP_TOKENS
     prompt = torch.randint(5, 200, (batch, length), generator=torch.Generator().manual_seed(40))
     expected = local_llama.generate(prompt, max_new_tokens=new_tokens, do_sample=False)[:, length:]
-    s = Swarm(tiny_llama)
-    stopped: list[int] = []
-    model = None
-    try:
-        for span in ("0:2", "2:4", "2:4"):
-            s.add_worker(blocks=span)
-        model = AutoDistributedModelForCausalLM.from_pretrained(
-            tiny_llama, initial_peers=[s.initial_peers], failover_deadline=30, spot_check_rate=0.0
-        )
+    with frozen_replica_swarm(tiny_llama, failover_deadline=30) as (_, model, freeze):
         steps: list[int] = []
         frozen: list[str] = []
         opened = model.inference_session(max_length=length + new_tokens, batch_size=batch)
@@ -120,9 +133,7 @@ def test_a_server_frozen_mid_way_through_a_long_prompt_is_replaced_exactly(tiny_
                 steps.append(position)
                 if len(steps) == 3:
                     hop = next(h for h in session.route if h.start <= 2 < h.end)
-                    worker = next(w for w in s.workers if w.peer_id == hop.peer_id)
-                    _signal_group(worker.popen.pid, signal.SIGSTOP)
-                    stopped.append(worker.popen.pid)
+                    freeze(hop.peer_id)
                     frozen.append(hop.peer_id)
                 return out
 
@@ -140,9 +151,3 @@ def test_a_server_frozen_mid_way_through_a_long_prompt_is_replaced_exactly(tiny_
         assert torch.equal(torch.cat(tokens, 1), expected)
         assert session.failovers >= 1
         assert frozen and frozen[0] not in {h.peer_id for h in session.route}
-    finally:
-        for pid in stopped:
-            _signal_group(pid, signal.SIGCONT)
-        if model is not None:
-            model.shutdown()
-        s.close()
