@@ -21,7 +21,6 @@ import argparse
 import json
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -33,7 +32,7 @@ from gateway.settings import GatewaySettings  # noqa: E402
 from swarm_client.model_likes import make_like_model  # noqa: E402
 from tests.gateway_fixtures import swarm_gateway  # noqa: E402
 from tests.swarm_fixtures import swarm  # noqa: E402
-from tests.test_open_webui_cache import TASKS, chat_body, preamble_tokens, task_request  # noqa: E402
+from tests.test_open_webui_cache import TASKS, chat_body, preamble_tokens, stream_chat, task_request  # noqa: E402
 
 QUESTIONS = [
     "What time is it in Lisbon?", "And how long until midnight there?", "Which knowledge bases do I have?",
@@ -43,28 +42,6 @@ QUESTIONS = [
     "What would it return?", "Is that always the case?", "What could go wrong?", "How would I notice?",
     "Write a checklist.", "Number the items.", "Thanks, that is all.",
 ]  # fmt: skip
-
-
-def chat_turn(http: httpx.Client, body: dict) -> dict:
-    """One streamed chat: status, text, usage, first-token time; a refusal's error instead of a stream."""
-    started, first, text, usage = time.perf_counter(), None, "", None
-    with http.stream("POST", "/v1/chat/completions", json=body) as r:
-        if r.status_code != 200:
-            error = json.loads(r.read())["error"]
-            return {"status": r.status_code, "error": error, "total": time.perf_counter() - started}
-        for line in r.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[len("data: ") :])
-            if "error" in chunk:
-                return {"status": 200, "error": chunk["error"], "total": time.perf_counter() - started}
-            usage = chunk.get("usage") or usage
-            for choice in chunk["choices"]:
-                delta = choice["delta"].get("content") or ""
-                if (delta or choice["delta"].get("tool_calls")) and first is None:
-                    first = time.perf_counter() - started
-                text += delta
-    return {"status": 200, "text": text, "usage": usage, "ttft": first, "total": time.perf_counter() - started}
 
 
 def main() -> None:
@@ -90,7 +67,7 @@ def main() -> None:
         messages: list[dict] = []
         for turn, question in enumerate((QUESTIONS * 4)[: args.turns], 1):
             messages.append({"role": "user", "content": question})
-            reply = chat_turn(http, chat_body(gw, messages, tools))
+            reply = stream_chat(gw, chat_body(gw, messages, tools), timeout=900, refusals=True)
             tasks = {}
             if "error" not in reply:
                 messages.append({"role": "assistant", "content": reply["text"]})

@@ -100,8 +100,10 @@ def chat_body(gw: Gateway, messages: list[dict], tools: slice = slice(TOOLS)) ->
     return {**body, "stream_options": {"include_usage": True}}
 
 
-def stream_chat(gw: Gateway, body: dict, timeout: float = REQUEST_TIMEOUT_S) -> dict[str, Any]:
-    """POST a streamed chat as Open WebUI does; the reply's text, usage, and seconds to its first token."""
+def stream_chat(gw: Gateway, body: dict, timeout: float = REQUEST_TIMEOUT_S, refusals: bool = False) -> dict[str, Any]:
+    """POST a streamed chat as Open WebUI does; the reply's text, usage, and seconds to its first token. A
+    refusal (a non-200, or an error frame in the stream) fails the test, or with ``refusals`` is returned:
+    its status and ``error``."""
     started = time.perf_counter()
     first: float | None = None
     text, usage = "", None
@@ -110,11 +112,15 @@ def stream_chat(gw: Gateway, body: dict, timeout: float = REQUEST_TIMEOUT_S) -> 
         http.stream("POST", "/v1/chat/completions", json=body) as r,
     ):
         status = r.status_code
+        if refusals and status != 200:
+            return {"status": status, "error": json.loads(r.read())["error"], "total": time.perf_counter() - started}
         assert status == 200, r.read()
         for line in r.iter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             chunk = json.loads(line[len("data: ") :])
+            if refusals and "error" in chunk:
+                return {"status": status, "error": chunk["error"], "total": time.perf_counter() - started}
             assert "error" not in chunk, chunk
             usage = chunk.get("usage") or usage
             for choice in chunk["choices"]:
