@@ -36,6 +36,7 @@ __all__ = [
     "WorkerStartError",
     "child_env",
     "forks_in_their_own_session",
+    "popen_child",
     "stop_processes",
     "stop_zygote",
     "swarmserve_argv",
@@ -101,6 +102,22 @@ def forks_in_their_own_session() -> Iterator[None]:
 
 
 # ---------------------------------------------------------------------------------------------- processes
+def popen_child(argv: Sequence[str], env: dict[str, str]) -> subprocess.Popen:
+    """A child process as ``ChildProcess`` reads it: output (stderr with it) as text lines, no stdin, a session
+    of its own (killed as a group), SIGTERMed when its parent dies."""
+    return subprocess.Popen(
+        list(argv),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+        text=True,
+        errors="replace",
+        env=env,
+        start_new_session=True,
+        preexec_fn=_parent_death_signal(),
+    )
+
+
 class ChildProcess:
     """A ``swarmserve`` child in its own process group, its output collected line by line."""
 
@@ -126,17 +143,7 @@ class ChildProcess:
         argv, env = swarmserve_argv(*args), env if env is not None else child_env()
         popen, how = _forked(argv, env)
         if popen is None:
-            popen = subprocess.Popen(
-                argv,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                text=True,
-                errors="replace",
-                env=env,
-                start_new_session=True,
-                preexec_fn=_parent_death_signal(),
-            )
+            popen = popen_child(argv, env)
         proc = cls(name, popen, echo=echo, **kw)
         proc._log_spawn(args, how=how)
         threading.Thread(target=proc._read, name=f"{name}-log", daemon=True).start()

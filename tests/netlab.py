@@ -36,7 +36,7 @@ import threading
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
-from swarmserve.processes import ChildProcess, _parent_death_signal, swarmserve_argv
+from swarmserve.processes import ChildProcess, popen_child, swarmserve_argv
 
 if TYPE_CHECKING:
     from tests.netlab_delay import Delays
@@ -237,17 +237,7 @@ class NetLab:
     ) -> ChildProcess:
         """``swarmserve *args`` inside ``ns``, its output read line by line (as ``ChildProcess.spawn``).
         ``ip netns exec`` execs the command, so the pid and its process group are the child's own."""
-        popen = subprocess.Popen(
-            self.argv(ns, *swarmserve_argv(*args)),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            text=True,
-            errors="replace",
-            env=env,
-            start_new_session=True,
-            preexec_fn=_parent_death_signal(),  # a SIGKILLed test run leaves no worker behind
-        )
+        popen = popen_child(self.argv(ns, *swarmserve_argv(*args)), env)  # a killed test run leaves no worker
         proc = cls(name, popen)
         threading.Thread(target=proc._read, name=f"{name}-log", daemon=True).start()  # noqa: SLF001
         return proc
