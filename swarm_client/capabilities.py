@@ -65,7 +65,7 @@ def push_auth(session_id: str, step_id: str, position: int, seq: int) -> str:
 
 
 def push_key(token: object) -> str | None:
-    """The push key a server keeps from a session's open (None: no usable token was given)."""
+    """The push key a server keeps from a session's open, or any token it was given if usable (None: none)."""
     return token if isinstance(token, str) and 1 <= len(token) <= MAX_TOKEN_CHARS else None
 
 
@@ -87,9 +87,8 @@ def is_count(value: object) -> bool:
 
 def token_digest(token: object) -> bytes | None:
     """What a server keeps of a token (None: no usable token was given)."""
-    if not isinstance(token, str) or not 1 <= len(token) <= MAX_TOKEN_CHARS:
-        return None
-    return hashlib.sha256(token.encode()).digest()
+    usable = push_key(token)
+    return None if usable is None else hashlib.sha256(usable.encode()).digest()
 
 
 def token_matches(token: object, digest: bytes | None) -> bool:
