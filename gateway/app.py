@@ -32,6 +32,7 @@ from gateway.api.route_info import EXPOSED_HEADERS
 from gateway.backends.base import ModelBackend
 from gateway.backends.swarm_view import SwarmView
 from gateway.decode.engine import Engine
+from gateway.decode.shared_reservations import RedisReservations
 from gateway.errors import error_response, install_error_handlers
 from gateway.metrics import install_metrics
 from gateway.responses.redis_store import RedisResponsesStore
@@ -119,6 +120,7 @@ def create_app(backend: ModelBackend, settings: GatewaySettings | None = None) -
         if app.state.affinity is not None:
             await app.state.affinity.aclose()
         await app.state.responses_store.aclose()
+        await app.state.engine.capacity.aclose()
 
     app = FastAPI(
         title="swarmserve",
@@ -131,6 +133,10 @@ def create_app(backend: ModelBackend, settings: GatewaySettings | None = None) -
     app.state.settings = settings
     app.state.affinity = _affinity_store(backend, settings)
     app.state.engine = Engine(backend, settings, app.state.affinity)
+    if settings.redis_url:  # the capacity line's reservations, shared with the other replicas
+        app.state.engine.capacity.board = RedisReservations(
+            settings.redis_url, _namespace(backend), app.state.engine.replica_id
+        )
     app.state.responses_store = _responses_store(backend, settings)  # /v1/responses' stored responses
     app.state.swarm_view = SwarmView(backend)  # /health, /v1/swarm: read off the loop, once per flood
     app.state.started_at = int(time.time())

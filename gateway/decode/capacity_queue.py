@@ -14,6 +14,11 @@ the swarm's whole cache) is let in only while the reservations of this gateway's
 room for it, and holds its reservation until all its sessions are closed; one that does not fit waits in
 the same line (or, past ``timeout_s``, gets the 503). With nothing of ours running, a request is always
 tried: the swarm's own answer (room or ``SwarmBusyError``) decides, as before.
+
+Replicas: with a ``board`` (``gateway/decode/shared_reservations.py``: Redis), the reservations counted are
+every replica's, not only this gateway's: each admission check reads the others' sum (at most every
+``SYNC_S``), and this replica's own total is published whenever it changes and every ``SYNC_S`` while it
+holds any, so a replica that dies stops holding its share within the board's time to live.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from gateway.decode.shared_reservations import RedisReservations
 from swarm_client.errors import SwarmBusyError
 
 __all__ = ["NEED", "CapacityQueue", "Need"]
@@ -34,6 +40,9 @@ T = TypeVar("T")
 
 #: how often the head of the line retries when nothing of ours ended
 POLL_S = 0.5
+#: how old the other replicas' reservations may be when a request is checked against them, and how often
+#: this replica's own total is published while it holds any
+SYNC_S = 0.5
 
 
 @dataclass(frozen=True)
@@ -51,8 +60,15 @@ NEED: ContextVar[Need | None] = ContextVar("swarmserve_admission_need", default=
 
 
 class CapacityQueue:
-    def __init__(self, timeout_s: float):
+    def __init__(self, timeout_s: float, board: RedisReservations | None = None):
         self.timeout_s = timeout_s
+        #: the replicas' shared reservations (None: one gateway, only its own count)
+        self.board = board
+        #: the other replicas' reserved token slots, as last read, and when (loop time); what we published last
+        self._others = 0
+        self._synced_at = float("-inf")
+        self._published = 0
+        self._heartbeat: asyncio.Task | None = None
         self._line: deque[int] = deque()
         self._tickets = itertools.count()
         self._changed: asyncio.Condition | None = None
@@ -66,16 +82,45 @@ class CapacityQueue:
         self._held = [(handles, tokens) for handles, tokens in self._held if not all(map(_closed, handles))]
         return sum(tokens for _, tokens in self._held)
 
+    @property
+    def others_reserved_tokens(self) -> int:
+        """Token slots the other replicas' running requests reserved, as last read from the board."""
+        return self._others
+
+    async def _sync(self, *, force: bool = False) -> None:
+        """Publish this replica's reservations and read the others' when they changed or are older than
+        ``SYNC_S``; keep them fresh on the board while any are held."""
+        if self.board is None:
+            return
+        loop = asyncio.get_running_loop()
+        mine = self.reserved_tokens
+        if force or mine != self._published or loop.time() - self._synced_at >= SYNC_S:
+            self._published, self._synced_at = mine, loop.time()
+            self._others = await self.board.publish(mine)
+        if mine and (self._heartbeat is None or self._heartbeat.done()):
+            self._heartbeat = loop.create_task(self._keep_published())
+
+    async def _keep_published(self) -> None:
+        """While this replica holds reservations, renew its entry (its sessions may run for minutes)."""
+        while True:
+            await asyncio.sleep(SYNC_S)
+            mine = self.reserved_tokens
+            if mine == 0 and self._published == 0:
+                return
+            await self._sync(force=True)
+
     def _fits(self, need: Need | None) -> bool:
-        reserved = self.reserved_tokens
+        reserved = self.reserved_tokens + self._others
         if need is None or reserved == 0:
             return True
         capacity = need.capacity()
         return capacity is None or reserved + need.tokens <= capacity
 
-    def _hold(self, result: T, need: Need | None) -> T:
+    async def _held_now(self, result: T, need: Need | None) -> T:
+        """``result``, its sessions holding ``need``'s reservation (published to the other replicas)."""
         if need is not None and isinstance(result, list):
             self._held.append((list(result), need.tokens))
+            await self._sync()
         return result
 
     @property
@@ -92,9 +137,10 @@ class CapacityQueue:
         """``attempt()``'s result (a list of sessions holds ``NEED``'s reservation until they are all closed);
         while it raises ``SwarmBusyError`` or the reservations leave no room for ``NEED``, wait in line."""
         need = NEED.get()
+        await self._sync()
         if not self._line and self._fits(need):
             try:
-                return self._hold(await attempt(), need)
+                return await self._held_now(await attempt(), need)
             except SwarmBusyError as e:
                 if self.timeout_s <= 0:
                     raise
@@ -110,9 +156,10 @@ class CapacityQueue:
         changed = self._condition()
         try:
             while True:
+                await self._sync()
                 if self._line[0] == ticket and self._fits(need):
                     try:
-                        return self._hold(await attempt(), need)
+                        return await self._held_now(await attempt(), need)
                     except SwarmBusyError as e:
                         error = e
                 elif self._line[0] == ticket:
@@ -132,9 +179,10 @@ class CapacityQueue:
     def _no_room(self, need: Need | None) -> SwarmBusyError:
         if need is None or self._fits(need):
             return SwarmBusyError("requests are already waiting for room in the swarm")
+        others = f" ({self._others} of them on other gateway replicas)" if self._others else ""
         return SwarmBusyError(
             f"this request needs {need.tokens} KV-cache token slots; requests running now reserve "
-            f"{self.reserved_tokens} of the swarm's {need.capacity()}"
+            f"{self.reserved_tokens + self._others}{others} of the swarm's {need.capacity()}"
         )
 
     async def _notify(self) -> None:
@@ -143,11 +191,26 @@ class CapacityQueue:
             changed.notify_all()
 
     def released(self) -> None:
-        """One of this gateway's sessions ended: whoever waits may find room now."""
+        """One of this gateway's sessions ended: whoever waits may find room now (here, and on the other
+        replicas once the smaller total is published)."""
         if self._line:
-            task = asyncio.get_running_loop().create_task(self._notify())
-            self._wakeups.add(task)
-            task.add_done_callback(self._wakeups.discard)
+            self._soon(self._notify())
+        if self.board is not None and self.reserved_tokens != self._published:
+            self._soon(self._sync())
+
+    def _soon(self, coro: Awaitable[None]) -> None:
+        task = asyncio.get_running_loop().create_task(coro)  # type: ignore[arg-type]
+        self._wakeups.add(task)
+        task.add_done_callback(self._wakeups.discard)
+
+    async def aclose(self) -> None:
+        """Take this replica's entry off the board (its reservations end with it)."""
+        if self._heartbeat is not None:
+            self._heartbeat.cancel()
+        if self.board is not None:
+            if self._published:
+                await self.board.publish(0)
+            await self.board.aclose()
 
 
 def _closed(handle: Any) -> bool:
