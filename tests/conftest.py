@@ -146,6 +146,9 @@ def require_or_skip(name: str, reason: str) -> NoReturn:
 
 def pytest_configure(config: pytest.Config) -> None:
     required()  # a typo in SWARMSERVE_REQUIRE stops the run before any test
+    from tests.module_times import ModuleTimes
+
+    config.pluginmanager.register(ModuleTimes(), "swarmserve-module-times")  # seconds per test file, at the end
     if os.environ.get(ZYGOTE_ENV, "1") != "0":
         from swarmserve.processes import child_env, use_zygote
 
