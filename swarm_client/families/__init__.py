@@ -9,6 +9,7 @@ from swarm_client.families.bloom import BloomFamily
 from swarm_client.families.falcon import FalconFamily
 from swarm_client.families.llama import LlamaFamily
 from swarm_client.families.mixtral import MixtralFamily
+from swarm_client.families.recurrent import recurrent_reason
 
 _FAMILIES: list[Family] = [LlamaFamily(), MixtralFamily(), FalconFamily(), BloomFamily()]
 
@@ -25,6 +26,13 @@ def get_family(config: PretrainedConfig) -> Family:
     for family in _FAMILIES:
         if config.model_type in family.model_types:
             return family
+    reason = recurrent_reason(config)
+    if reason is not None:
+        raise ValueError(
+            f"model type {config.model_type!r} keeps a recurrent state per session ({reason}) beside or instead of "
+            "a KV cache; swarmserve's servers hold only per-session KV caches, so it cannot be served yet. "
+            f"Supported: {', '.join(supported_model_types())} (docs/families.md lists every model type)."
+        )
     raise ValueError(
         f"model type {config.model_type!r} is not supported; supported: {', '.join(supported_model_types())}"
     )
