@@ -173,17 +173,15 @@ def find_route(
         and (adapter is None or adapter in span.server_info.adapters)
     ]
 
-    def hop_cost(span: RemoteSpanInfo, blocks: int) -> float:
+    def cost_terms(span: RemoteSpanInfo) -> tuple[float, float, float, float]:
+        """A hop on ``span`` over ``blocks`` costs ``rtt + blocks / speed * (1 + occupied) (+ penalty)``."""
         info = span.server_info
         occupied = load.get(span.peer_id, 0.0)
         if info.cache_tokens_total:
             occupied += 1.0 - min(info.cache_tokens_left, info.cache_tokens_total) / info.cache_tokens_total
-        speed = speeds.get(span.peer_id, info.throughput)
-        compute = blocks / max(speed, _MIN_THROUGHPUT) * (1.0 + occupied)
-        cost = max(rtt.get(span.peer_id, default_rtt), 0.0) + compute
-        if info.cache_tokens_left < cache_tokens_needed or info.sessions_left == 0 or span.peer_id in busy_set:
-            cost += CACHE_PENALTY
-        return cost
+        speed = max(speeds.get(span.peer_id, info.throughput), _MIN_THROUGHPUT)
+        full = info.cache_tokens_left < cache_tokens_needed or info.sessions_left == 0 or span.peer_id in busy_set
+        return max(rtt.get(span.peer_id, default_rtt), 0.0), speed, 1.0 + occupied, CACHE_PENALTY if full else 0.0
 
     def allowed(peer_id: str, hop_start: int, hop_end: int) -> bool:
         """The trust policy: only trusted peers run block 0 and the model's last block."""
@@ -193,8 +191,16 @@ def find_route(
     if trusted_set:
         _check_trusted_ends(eligible, start, end, trusted_set, num_blocks)
 
+    # each node's spans (those holding block ``node``), in peer-id order, with their cost terms
+    covering: dict[int, list[tuple[RemoteSpanInfo, tuple[float, float, float, float]]]] = {}
+    for span in eligible:
+        terms = cost_terms(span)
+        for node in range(max(span.start, start), min(span.end, end)):
+            covering.setdefault(node, []).append((span, terms))
+
     # Labels never tie (the path identifies the route) and strictly grow along an edge (hops + 1), so
-    # popping them in order is exact Dijkstra with the tie-breaks built in.
+    # popping them in order is exact Dijkstra with the tie-breaks built in. A label's path is built only when
+    # its cost and hops do not already decide against it.
     best: dict[int, _Label] = {start: (0.0, 0, ())}
     heap: list[tuple[_Label, float, int]] = [((0.0, 0, ()), 0.0, start)]
     settled: set[int] = set()
@@ -205,16 +211,20 @@ def find_route(
         settled.add(node)
         if node == end:
             return _hops_from_path(label[2], start)
-        for span in eligible:
-            if not span.start <= node < span.end:
-                continue
+        hops = label[1] + 1
+        for span, (rtt_s, speed, busy_factor, penalty) in covering.get(node, ()):
             for hop_end in range(node + 1, min(span.end, end) + 1):
                 if hop_end in settled or not allowed(span.peer_id, node, hop_end):
                     continue
-                new_cost = cost + hop_cost(span, hop_end - node)
-                new_path = (*label[2], (span.peer_id, hop_end))
-                new_label = (round(new_cost, _COST_DIGITS), label[1] + 1, new_path)
-                if hop_end not in best or new_label < best[hop_end]:
+                new_cost = cost + (rtt_s + (hop_end - node) / speed * busy_factor)
+                if penalty:
+                    new_cost = cost + (rtt_s + (hop_end - node) / speed * busy_factor + penalty)
+                rounded = round(new_cost, _COST_DIGITS)
+                known = best.get(hop_end)
+                if known is not None and (rounded, hops) > known[:2]:
+                    continue
+                new_label = (rounded, hops, (*label[2], (span.peer_id, hop_end)))
+                if known is None or new_label < known:
                     best[hop_end] = new_label
                     heapq.heappush(heap, (new_label, new_cost, hop_end))
 

@@ -1,4 +1,4 @@
-"""``python -m load_tests.swarm_sim --servers 100,1000,5000 --clients 400,200,60 --minutes 3,1.5,0.5 --seed 0``:
+"""``python -m load_tests.swarm_sim --servers 100,1000,5000 --clients 400,200,40 --minutes 3,1.5,0.5 --seed 0``:
 run one scenario per swarm size, write ``load_tests/results/swarm-sim-<date>.md`` and ``.svg``."""
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ def _list(text: str, kind: type) -> list:
 def main(argv: list[str] | None = None) -> pathlib.Path:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--servers", default="100,1000,5000", help="swarm sizes, comma-separated")
-    parser.add_argument("--clients", default="400,200,60", help="clients per size (one value: all sizes)")
+    parser.add_argument("--clients", default="400,200,40", help="clients per size (one value: all sizes)")
     parser.add_argument("--minutes", default="3,1.5,0.5", help="simulated minutes per size (one value: all)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=pathlib.Path, default=RESULTS)
