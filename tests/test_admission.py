@@ -140,36 +140,42 @@ def test_default_max_tokens_fits_what_the_cache_leaves(gateway: Gateway, tiny_ll
     assert re.search(r" \d+ of the prompt's tokens are the 1 tool definitions sent with it", error["message"]), error
 
 
-@pytest.mark.slow
-def test_a_big_request_that_fits_does_not_starve_a_small_one(
-    gateway: Gateway, tiny_llama: str, local_llama: Any
-) -> None:
-    client = gateway.client(max_retries=0, timeout=120)
-    bias = eos_bias()
+def start_big_request(client: openai.OpenAI, model: str) -> tuple[threading.Thread, dict[str, Any]]:
+    """The big request (n=4 × ``BIG_TOKENS``, greedy, EOS banned: 4 × (prompt + 220) ≈ 940 of a worker's 1024
+    token slots), started in a thread that records its ``reply`` or ``error`` and how long it ``took``."""
     big: dict[str, Any] = {}
 
     def run_big() -> None:
         t0 = time.monotonic()
-        try:  # 4 × (prompt + 220) ≈ 940 of the worker's 1024 token slots
+        try:
             big["reply"] = client.chat.completions.create(
-                model=gateway.model,
+                model=model,
                 messages=[{"role": "user", "content": "Tell me everything."}],
                 n=4,
                 max_tokens=BIG_TOKENS,
                 temperature=0,
-                logit_bias=bias,
+                logit_bias=eos_bias(),
             )
-        except Exception as e:  # reported below
+        except Exception as e:  # reported by the caller
             big["error"] = e
         big["took"] = time.monotonic() - t0
 
     thread = threading.Thread(target=run_big)
     thread.start()
+    return thread, big
+
+
+@pytest.mark.slow
+def test_a_big_request_that_fits_does_not_starve_a_small_one(
+    gateway: Gateway, tiny_llama: str, local_llama: Any
+) -> None:
+    client = gateway.client(max_retries=0, timeout=120)
+    thread, big = start_big_request(client, gateway.model)
     time.sleep(0.5)
     small_messages = [{"role": "user", "content": "small"}]
     t0 = time.monotonic()
     small = client.chat.completions.create(
-        model=gateway.model, messages=small_messages, max_tokens=300, temperature=0, logit_bias=bias
+        model=gateway.model, messages=small_messages, max_tokens=300, temperature=0, logit_bias=eos_bias()
     )
     small_took = time.monotonic() - t0
     thread.join(180)

@@ -25,6 +25,7 @@ from swarm_client.errors import SwarmBusyError
 from tests.conftest import RedisServer, free_port
 from tests.gateway_fixtures import chat_prompt_ids, eos_bias, greedy_without_eos, swarm_gateway, tiny_tokenizer
 from tests.swarm_fixtures import swarm
+from tests.test_admission import BIG_TOKENS, CACHE_TOKENS, start_big_request
 
 CAPACITY = 1000
 
@@ -132,41 +133,18 @@ def test_a_redis_that_fails_costs_no_request() -> None:
 
 # --------------------------------------------------------------------------------------- two real replicas
 
-CACHE_TOKENS = 1024
-BIG_TOKENS = 220
-
 
 @pytest.mark.slow
 def test_a_big_request_on_one_replica_is_not_starved_by_the_other(tiny_llama: str, own_redis: RedisServer) -> None:
     """4 × (prompt + 220) ≈ 940 of the worker's 1024 slots on replica a; then a 300-token request on replica b.
     Without shared reservations b's request starts at once and the big one's caches run out mid-generation."""
     settings: dict[str, Any] = {"affinity": False, "busy_queue_timeout_s": 120, "redis_url": own_redis.url}
-    bias = eos_bias()
     with (
         swarm(tiny_llama, ["0:4"], "--cache-tokens", str(CACHE_TOKENS)) as s,
         swarm_gateway(tiny_llama, s.initial_peers, **settings, replica_id="gw-a") as a,
         swarm_gateway(tiny_llama, s.initial_peers, **settings, replica_id="gw-b") as b,
     ):
-        big: dict[str, Any] = {}
-
-        def run_big() -> None:
-            t0 = time.monotonic()
-            try:
-                big["reply"] = a.client(max_retries=0, timeout=120).chat.completions.create(
-                    model=a.model,
-                    messages=[{"role": "user", "content": "Tell me everything."}],
-                    n=4,
-                    max_tokens=BIG_TOKENS,
-                    temperature=0,
-                    logit_bias=bias,
-                )
-            except Exception as e:  # reported below
-                big["error"] = e
-            big["took"] = time.monotonic() - t0
-            big["ended"] = time.monotonic()
-
-        thread = threading.Thread(target=run_big)
-        thread.start()
+        thread, big = start_big_request(a.client(max_retries=0, timeout=120), a.model)
         deadline = time.monotonic() + 30
         while a.server.app.state.engine.capacity.reserved_tokens == 0 and time.monotonic() < deadline:
             time.sleep(0.05)  # the big request holds its reservation
@@ -182,7 +160,7 @@ def test_a_big_request_on_one_replica_is_not_starved_by_the_other(tiny_llama: st
         small_messages = [{"role": "user", "content": "small"}]
         t0 = time.monotonic()
         stream = b.client(max_retries=0, timeout=120).chat.completions.create(
-            model=b.model, messages=small_messages, max_tokens=300, temperature=0, logit_bias=bias, stream=True
+            model=b.model, messages=small_messages, max_tokens=300, temperature=0, logit_bias=eos_bias(), stream=True
         )
         first_at, parts = None, []
         for chunk in stream:
