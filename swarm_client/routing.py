@@ -216,9 +216,10 @@ def find_route(
             for hop_end in range(node + 1, min(span.end, end) + 1):
                 if hop_end in settled or not allowed(span.peer_id, node, hop_end):
                     continue
-                new_cost = cost + (rtt_s + (hop_end - node) / speed * busy_factor)
+                hop_cost = rtt_s + (hop_end - node) / speed * busy_factor
                 if penalty:
-                    new_cost = cost + (rtt_s + (hop_end - node) / speed * busy_factor + penalty)
+                    hop_cost += penalty
+                new_cost = cost + hop_cost
                 rounded = round(new_cost, _COST_DIGITS)
                 known = best.get(hop_end)
                 if known is not None and (rounded, hops) > known[:2]:

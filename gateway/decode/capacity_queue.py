@@ -26,7 +26,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -104,8 +104,7 @@ class CapacityQueue:
         """While this replica holds reservations, renew its entry (its sessions may run for minutes)."""
         while True:
             await asyncio.sleep(SYNC_S)
-            mine = self.reserved_tokens
-            if mine == 0 and self._published == 0:
+            if not self.reserved_tokens and not self._published:
                 return
             await self._sync(force=True)
 
@@ -198,8 +197,8 @@ class CapacityQueue:
         if self.board is not None and self.reserved_tokens != self._published:
             self._soon(self._sync())
 
-    def _soon(self, coro: Awaitable[None]) -> None:
-        task = asyncio.get_running_loop().create_task(coro)  # type: ignore[arg-type]
+    def _soon(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
         self._wakeups.add(task)
         task.add_done_callback(self._wakeups.discard)
 

@@ -88,7 +88,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--write", action="store_true", help="replace the table in docs/families.md")
     args = parser.parse_args()
-    table = markdown(support_table())
+    rows = support_table()
+    table = markdown(rows)
     if not args.write:
         print(table)
         return
@@ -97,7 +98,7 @@ def main() -> None:
     if old is None:
         raise SystemExit(f"{DOC} has no {BEGIN!r} … {END!r} section to replace")
     DOC.write_text(text.replace(old, table))
-    print(f"wrote the table of {len(support_table())} model types into {DOC}")
+    print(f"wrote the table of {len(rows)} model types into {DOC}")
 
 
 if __name__ == "__main__":
